@@ -1,0 +1,234 @@
+"""CausVid two-step streaming pipeline (ARCHITECTURE Part 2).
+
+Prefill the window with the noised history at t = alpha (cache writes on); then each frame:
+z ~ N(0, I) -> v1 = model(z, 1) (writes off) -> x = z - 0.75 v1 -> v2 = model(x, 0.25)
+(writes on: this frame enters the window) -> x0 = x - 0.25 v2 -> decode(x0 * vae_scale).
+The schedule generalises to any t_0 = 1 > ... > t_K = 0; the cache is written at the last step.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from owl_wms.cache import StaticCache
+from owl_wms.clips import Clip, list_clips, load_clip
+from owl_wms.config import WorldConfig, load_config
+from owl_wms.loading import build_model, load_weights, read_state_dict
+from owl_wms.settings import Settings
+from owl_wms.vae import FrameDecoder, load_decoder
+
+from .profiler import KVProfiler
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKPOINT = REPO / "checkpoints" / "untrained-tiny"
+BUTTONS = ("W", "A", "S", "D", "LSHIFT", "SPACE", "R", "F", "E", "LMB", "RMB")
+
+
+def as_controls(mouse, buttons) -> tuple[torch.Tensor, torch.Tensor]:
+    m = torch.as_tensor(mouse, dtype=torch.float32).flatten()
+    b = torch.as_tensor(buttons, dtype=torch.float32).flatten()
+    if m.numel() != 2:
+        raise ValueError(f"mouse has {m.numel()} values; expected 2 (dx, dy)")
+    if b.numel() != len(BUTTONS):
+        raise ValueError(f"buttons has {b.numel()} values; expected {len(BUTTONS)} in the order {list(BUTTONS)}")
+    if not torch.isfinite(m).all():
+        raise ValueError(f"mouse {m.tolist()} has non-finite values")
+    return m, (b != 0).float()
+
+
+def to_uint8(frame: torch.Tensor) -> torch.Tensor:
+    """[3, H, W] in [-1, 1] -> [H, W, 3] uint8 RGB on the CPU."""
+    return ((frame.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).cpu()
+
+
+class CausvidPipeline:
+    def __init__(self, model, decoder: FrameDecoder | None, world: WorldConfig, settings: Settings | None = None,
+                 clip: Clip | None = None, ground_truth: bool = False, verbose: bool = True):
+        self.world = world
+        self.settings = settings or Settings.resolve(world.inference)
+        s = self.settings
+        self.cfg = world.model
+        self.window = world.pipeline.window_frames
+        self.alpha = world.pipeline.history_alpha
+        self.schedule = world.pipeline.schedule
+        self.vae_scale = world.vae_scale
+        self.device = torch.device(s.device)
+        self.model = model.to(self.device, s.dtype).eval()
+        self.model.core.transformer.set_backends(s.attn_backend, s.attn_backend_decode)
+        self.core = torch.compile(self.model.core) if s.compile else self.model.core
+        self.decoder = decoder.to(self.device).eval() if decoder is not None else None
+        self.generator = torch.Generator().manual_seed(s.seed)
+        self.profiler = KVProfiler(s.device, s.profile_kv_first, s.profile_kv_every) if s.profile_kv else None
+        self.ground_truth = ground_truth
+        self.cache = None
+        self.clip = None
+        self.frame_index = 0
+        # No-cache baseline: each frame's cache-writing input, enough frames to cover the
+        # receptive field (n_layers * (W-1) + 1), since deep-layer K/V carry older context.
+        self._recompute_frames = self.cfg.n_layers * (self.window - 1) + 1
+        if verbose:
+            print(self.describe(), flush=True)
+        if clip is not None:
+            self.load_clip(clip)
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, checkpoint=None, ckpt_path=None, settings: Settings | None = None, clip=0,
+                        ground_truth: bool = False, verbose: bool = True) -> "CausvidPipeline":
+        """``checkpoint``: a checkpoint folder (with config.yaml) or a config file."""
+        checkpoint = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+        cfg_path = checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint
+        world = load_config(cfg_path)
+        settings = settings or Settings.resolve(world.inference)
+        ckpt_path = Path(ckpt_path) if ckpt_path is not None else cfg_path.parent / "model.safetensors"
+        model = load_weights(build_model(world.model), read_state_dict(ckpt_path), str(ckpt_path))
+        pipe = cls(model, load_decoder(world), world, settings, ground_truth=ground_truth, verbose=verbose)
+        if clip is not None:
+            pipe.load_clip(clip)
+        return pipe
+
+    def describe(self) -> str:
+        n = sum(p.numel() for p in self.model.parameters())
+        label = "" if self.world.trained else " UNTRAINED (random weights: frames show noise)"
+        sched = ">".join(f"{t:g}" for t in self.schedule)
+        return (f"[owl] world={self.world.name}{label} params={n / 1e6:.1f}M window={self.window} "
+                f"alpha={self.alpha} schedule={sched} | {self.settings.describe()}")
+
+    @property
+    def clip_paths(self) -> list[Path]:
+        folder = self.world.resolve(self.world.pipeline.clips)
+        return list_clips(folder) if folder is not None and folder.is_dir() else []
+
+    # -- history ---------------------------------------------------------------------------------
+    def load_clip(self, clip=0):
+        """Start from a clip: an index into the checkpoint's clips, a path, or a ``Clip``."""
+        if not isinstance(clip, Clip):
+            if isinstance(clip, int):
+                paths = self.clip_paths
+                if not paths:
+                    raise FileNotFoundError(f"world {self.world.name!r} has no clips "
+                                            f"(pipeline.clips={self.world.pipeline.clips!r})")
+                clip = paths[clip % len(paths)]
+            clip = load_clip(clip, self.cfg.channels, self.cfg.sample_size)
+        self.clip = clip
+        self.restart_from_buffer()
+        return clip
+
+    def restart_from_buffer(self):
+        """Rebuild the cache from the current clip's history; the noise seed restarts too."""
+        if self.clip is None:
+            raise RuntimeError("no clip loaded; call load_clip() first")
+        latents, mouse, buttons = self.clip.history(self.window)
+        self.generator.manual_seed(self.settings.seed)
+        self.prefill(latents / self.vae_scale, mouse, buttons)
+
+    @torch.no_grad()
+    def prefill(self, history: torch.Tensor, mouse: torch.Tensor, buttons: torch.Tensor, noised: bool = False):
+        """history [n, c, h, w] in model space (already divided by vae_scale), n <= window.
+
+        ``noised``: the history is already the noised model input (used by parity tests).
+        """
+        n = history.shape[0]
+        if history.ndim != 4 or n > self.window or mouse.shape != (n, 2) or buttons.shape != (n, 11):
+            raise ValueError(f"prefill got history {tuple(history.shape)}, mouse {tuple(mouse.shape)}, buttons "
+                             f"{tuple(buttons.shape)}; expected [n<= {self.window}, c, h, w], [n, 2], [n, 11]")
+        x = history.float()
+        if not noised:
+            x = (1 - self.alpha) * x + self.alpha * torch.randn(x.shape, generator=self.generator)
+        x, t = self._dev(x[None]), self._dev(torch.full((1, n), self.alpha))
+        m, b = self._dev(mouse[None]), self._dev(buttons[None])
+        self.frame_index = 0
+        self.gt_step = 0
+        if self.profiler:
+            self.profiler.start()
+        self.model.core.transformer.disable_decoding()
+        if self.settings.kv_cache == "none":
+            self.cache = None
+            self._recompute = {"x": x, "t": t, "mouse": m, "buttons": b, "start": 0}
+        else:
+            self.cache = StaticCache(self.cfg, max_length=self.window, batch_size=1,
+                                     device=self.device, dtype=self.settings.dtype)
+            self.cache.enable_cache_updates()
+            self.core(x, t, m, b, kv_cache=self.cache)
+            self.cache.disable_cache_updates()
+        self.model.core.transformer.enable_decoding()
+        if self.profiler:
+            self.profiler.prefill(self.kv_bytes)
+
+    # -- generation ----------------------------------------------------------------------------
+    def _dev(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device, self.settings.dtype)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes if self.cache is not None else 0
+
+    def _velocity(self, x, t, m, b, write: bool):
+        if self.cache is not None:
+            if write:
+                self.cache.enable_cache_updates()
+            try:
+                return self.core(x, t, m, b, kv_cache=self.cache)
+            finally:
+                self.cache.disable_cache_updates()
+        r = self._recompute
+        cat = lambda key, new: torch.cat([r[key], new], dim=1)  # noqa: E731
+        xs, ts, ms, bs = cat("x", x), cat("t", t), cat("mouse", m), cat("buttons", b)
+        v = self.core(xs, ts, ms, bs, frame_offset=r["start"], window_cap=self.window)[:, -1:]
+        if write:
+            drop = max(xs.shape[1] - self._recompute_frames, 0)
+            self._recompute = {"x": xs[:, drop:], "t": ts[:, drop:], "mouse": ms[:, drop:],
+                               "buttons": bs[:, drop:], "start": r["start"] + drop}
+        return v
+
+    def next_controls(self, mouse, buttons) -> tuple[torch.Tensor, torch.Tensor]:
+        """The controls this frame uses: the player's, or the clip's recorded ones in GT mode."""
+        if self.ground_truth:
+            if self.clip is None or self.gt_step >= self.clip.future_mouse.shape[0]:
+                raise IndexError(f"ground-truth replay exhausted after {self.gt_step} frames of recorded actions")
+            return self.clip.future_mouse[self.gt_step], self.clip.future_buttons[self.gt_step]
+        return as_controls(mouse, buttons)
+
+    @torch.no_grad()
+    def generate(self, mouse, buttons, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """One frame in model space: latent [1, 1, c, h, w] (not yet multiplied by vae_scale)."""
+        if self.cache is None and self.settings.kv_cache != "none":
+            raise RuntimeError("pipeline has no history; call load_clip() or prefill() first")
+        mouse, buttons = self.next_controls(mouse, buttons)
+        if self.ground_truth:
+            self.gt_step += 1
+        m, b = self._dev(mouse.view(1, 1, 2)), self._dev(buttons.view(1, 1, 11))
+        c, s = self.cfg.channels, self.cfg.sample_size
+        if noise is None:
+            noise = torch.randn((1, 1, c, s, s), generator=self.generator)
+        x = self._dev(noise)
+        sched = self.schedule
+        for i in range(len(sched) - 1):
+            t = self._dev(torch.full((1, 1), sched[i]))
+            v = self._velocity(x, t, m, b, write=i == len(sched) - 2)
+            x = x - (sched[i] - sched[i + 1]) * v
+            if self.profiler:
+                self.profiler.mark(f"step{i + 1}")
+        self.frame_index += 1
+        return x
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        if self.decoder is None:
+            raise RuntimeError("this pipeline was built without a decoder")
+        return to_uint8(self.decoder.decode(latent[:, 0].float() * self.vae_scale)[0])
+
+    @torch.no_grad()
+    def __call__(self, mouse, buttons) -> tuple[torch.Tensor, float]:
+        """mouse [2], buttons [11] (order W A S D LSHIFT SPACE R F E LMB RMB) ->
+        (uint8 RGB frame [H, W, 3], wall seconds for denoising + decoding)."""
+        start = time.perf_counter()
+        if self.profiler:
+            self.profiler.start()
+        frame = self.decode(self.generate(mouse, buttons))
+        if self.profiler:
+            self.profiler.mark("decoder")
+            self.profiler.frame(self.kv_bytes)
+        return frame, time.perf_counter() - start

@@ -1,0 +1,118 @@
+"""Play the world model (pygame window) or render a scripted rollout (--headless) to mp4.
+
+    python -m inference.game_cv                                   # play the default world
+    python -m inference.game_cv --headless --frames 64 --out x.mp4 --actions walk_turn
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from owl_wms.clips import load_clip
+from owl_wms.config import ConfigError, load_config
+from owl_wms.loading import CheckpointError
+from owl_wms.settings import Settings, SettingsError
+
+from .actions import BUILTIN, load_actions
+from .causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
+from .video import Mp4Writer, OutputPathError
+
+USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m inference.game_cv", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
+                   help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
+    p.add_argument("--ckpt", default=None, help="weights file (default: model.safetensors beside the config)")
+    p.add_argument("--clip", default="0", help="index of a shipped clip, or a clip .safetensors path")
+    p.add_argument("--ground-truth", action="store_true", help="replay the clip's recorded future actions")
+    p.add_argument("--seed", type=int, default=None, help="noise seed (overrides OWL_SEED)")
+    p.add_argument("--headless", action="store_true", help="render to an mp4 instead of opening a window")
+    p.add_argument("--frames", type=int, default=None, help="frames to render (default 64, or the action file's length)")
+    p.add_argument("--out", default="rollout.mp4", help="output mp4 for --headless")
+    p.add_argument("--actions", default="walk_turn",
+                   help=f"built-in script ({', '.join(BUILTIN)}; 'random:SEED') or a JSON-lines action file")
+    p.add_argument("--fps", type=float, default=15.0, help="frame rate written into the video")
+    p.add_argument("--scale", type=int, default=4, help="integer upscaling of the video / window")
+    args = p.parse_args(argv)
+    if args.frames is not None and args.frames < 1:
+        p.error(f"--frames {args.frames}: must be >= 1")
+    if args.scale < 1:
+        p.error(f"--scale {args.scale}: must be >= 1")
+    return args
+
+
+def build_pipeline(args) -> CausvidPipeline:
+    checkpoint = Path(args.checkpoint)
+    cfg_path = checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint
+    settings = Settings.resolve(load_config(cfg_path).inference)
+    if args.seed is not None:
+        settings = settings.replace(seed=args.seed)
+    clip = int(args.clip) if args.clip.isdigit() else None
+    pipe = CausvidPipeline.from_checkpoint(checkpoint, args.ckpt, settings=settings, clip=clip,
+                                           ground_truth=args.ground_truth)
+    if clip is None:
+        pipe.load_clip(load_clip(args.clip, pipe.cfg.channels, pipe.cfg.sample_size))
+    return pipe
+
+
+def run_headless(args) -> int:
+    from tqdm import tqdm
+
+    actions = load_actions(args.actions, args.frames, seed=args.seed or 0)
+    writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
+    interrupted = False
+    pipe_seconds = 0.0
+    try:
+        pipe = build_pipeline(args)
+        start = time.perf_counter()
+        for mouse, buttons in tqdm(actions, desc="rollout", unit="frame"):
+            frame, secs = pipe(mouse, buttons)
+            pipe_seconds += secs
+            writer.write(frame.numpy())
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        path = writer.close()
+    n = writer.frames
+    if n:
+        total = time.perf_counter() - start
+        print(f"wrote {path} ({n} frames){' - interrupted' if interrupted else ''}; "
+              f"pipeline {n / pipe_seconds:.2f} FPS, total {n / total:.2f} FPS")
+    else:
+        print("interrupted before the first frame; no video written")
+    return 130 if interrupted else 0
+
+
+def no_display_message() -> str:
+    return ("error: no display is available for the game window.\n"
+            "  Render to a video instead:  python -m inference.game_cv --headless --frames 64 --out rollout.mp4\n"
+            "  or point SDL at a display (DISPLAY=:0, or run under Xvfb), or set SDL_VIDEODRIVER "
+            "(e.g. SDL_VIDEODRIVER=dummy for a window-less test run).")
+
+
+def run_play(args, max_frames: int | None = None) -> int:
+    from .play import play
+
+    if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER")):
+        print(no_display_message(), file=sys.stderr)
+        return 2
+    return play(build_pipeline(args), scale=args.scale, max_frames=max_frames)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run_headless(args) if args.headless else run_play(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Per-frame profile lines (OWL_PROFILE_KV). Lives outside the forward pass; when the
+setting is off the pipeline never constructs one, so nothing is timed or synchronised."""
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+
+def peak_memory_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class KVProfiler:
+    def __init__(self, device: str, first: int, every: int, printer=print):
+        self.device, self.first, self.every, self.print = device, first, every, printer
+        self.frames = 0
+        self.marks: list[tuple[str, float]] = []
+
+    def sync(self):
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def start(self):
+        self.sync()
+        self.marks = [("start", time.perf_counter())]
+
+    def mark(self, name: str):
+        self.sync()
+        self.marks.append((name, time.perf_counter()))
+
+    def _spans(self):
+        return [(n, (t - self.marks[i][1]) * 1000) for i, (n, t) in enumerate(self.marks[1:])]
+
+    def prefill(self, kv_bytes: int):
+        self.mark("prefill")
+        s = self._spans()[-1][1] / 1000
+        self.print(f"[KV-Profile] prefill_s={s:.3f} kv_bytes={kv_bytes} peak_mem_mb={peak_memory_mb(self.device):.1f}")
+
+    def frame(self, kv_bytes: int):
+        self.frames += 1
+        if self.frames <= self.first or self.frames % self.every == 0:
+            parts = " ".join(f"{n}_ms={ms:.2f}" for n, ms in self._spans())
+            self.print(f"[KV-Profile] frame={self.frames} {parts} kv_bytes={kv_bytes} "
+                       f"peak_mem_mb={peak_memory_mb(self.device):.1f}")

@@ -1,0 +1,92 @@
+"""Frame-causal windowed attention with two backends built from one visibility rule.
+
+Rule (ARCHITECTURE Part 1): a query in frame fq sees a key in frame fk iff
+fk <= fq and fq - fk < window (window None = unlimited). Attention is full inside a frame.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from .rope import apply_rope
+
+BACKENDS = ("sdpa", "flex")
+
+# Eager FlexAttention (the CPU path when not compiled) is correct but unfused; torch warns
+# about that on first use. The choice is deliberate here, so keep the console clean.
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+
+def frame_visible(q_frame, k_frame, window: int | None):
+    """The one mask rule, on tensors of frame indices (broadcasting)."""
+    ok = k_frame <= q_frame
+    if window is not None:
+        ok = ok & (q_frame - k_frame < window)
+    return ok
+
+
+def dense_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, device=None) -> torch.Tensor:
+    """Boolean [Tq, Tk] token mask; the query frames are the last n_q_frames key frames."""
+    q = torch.arange(n_q_frames * tpf, device=device) // tpf + (n_k_frames - n_q_frames)
+    k = torch.arange(n_k_frames * tpf, device=device) // tpf
+    return frame_visible(q[:, None], k[None, :], window)
+
+
+@lru_cache(maxsize=64)
+def block_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, device: str,
+               block_size: int = 128):
+    shift = n_k_frames - n_q_frames
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return frame_visible(q_idx // tpf + shift, kv_idx // tpf, window)
+
+    return create_block_mask(mask_mod, None, None, n_q_frames * tpf, n_k_frames * tpf,
+                             device=device, BLOCK_SIZE=block_size)
+
+
+def attend(q, k, v, tpf: int, window: int | None, backend: str):
+    """q: [b,h,Tq,dh], k/v: [b,h,Tk,dh]; query frames are the last Tq/tpf key frames."""
+    n_q, n_k = q.shape[2] // tpf, k.shape[2] // tpf
+    # Tail-only read: drop key frames no query can see (exact; saves work on local layers).
+    if window is not None and n_k - n_q - (window - 1) > 0:
+        drop = n_k - n_q - (window - 1)
+        k, v, n_k = k[:, :, drop * tpf:], v[:, :, drop * tpf:], n_k - drop
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if backend == "flex":
+        bm = block_mask(n_q, n_k, tpf, window, str(q.device))
+        return flex_attention(q, k, v, block_mask=bm, scale=scale)
+    # One query frame after the tail read sees every key: no mask needed.
+    mask = None if n_q == 1 else dense_mask(n_q, n_k, tpf, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, layer: int, tpf: int, window: int | None):
+        super().__init__()
+        self.n_heads, self.layer, self.tpf, self.window = n_heads, layer, tpf, window
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x, rope, kv_cache=None, backend: str = "sdpa", window_cap: int | None = None):
+        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
+        q, k = F.rms_norm(q, (q.shape[-1],)), F.rms_norm(k, (k.shape[-1],))
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            if kv_cache.should_update:
+                kv_cache.update(k, v, self.layer)
+                k, v = kv_cache.get(self.layer)
+            else:
+                k, v = kv_cache.get(self.layer, new_k=k, new_v=v)
+        window = self.window
+        if window_cap is not None:
+            window = window_cap if window is None else min(window, window_cap)
+        y = attend(q, k, v, self.tpf, window, backend)
+        return self.out(rearrange(y, "b h t d -> b t (h d)"))

@@ -1,0 +1,70 @@
+"""Initial clips: a history window of VAE latents with its controls, plus future actions.
+
+File format (safetensors): ``latents [n, c, h, w]`` raw VAE latents (not divided by
+vae_scale), ``mouse [n, 2]`` and ``buttons [n, 11]`` for every frame; metadata
+``history_frames`` says how many leading frames form the history. The remaining controls
+(and latents, when present) are the recorded future used by ground-truth replay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+@dataclass
+class Clip:
+    latents: torch.Tensor  # [n_hist(+future), c, h, w]
+    mouse: torch.Tensor  # [n, 2]
+    buttons: torch.Tensor  # [n, 11]
+    history_frames: int
+    name: str = "clip"
+
+    @property
+    def future_mouse(self):
+        return self.mouse[self.history_frames:]
+
+    @property
+    def future_buttons(self):
+        return self.buttons[self.history_frames:]
+
+    def history(self, window: int):
+        """The last ``window`` history frames: (latents, mouse, buttons)."""
+        if self.history_frames < window:
+            raise ValueError(f"clip {self.name!r} has {self.history_frames} history frames; "
+                             f"the pipeline window needs {window}")
+        s = slice(self.history_frames - window, self.history_frames)
+        return self.latents[s], self.mouse[s], self.buttons[s]
+
+    def save(self, path: str | Path):
+        save_file({"latents": self.latents.contiguous().float(), "mouse": self.mouse.contiguous().float(),
+                   "buttons": self.buttons.contiguous().float()}, str(path),
+                  metadata={"history_frames": str(self.history_frames)})
+
+
+def load_clip(path: str | Path, channels: int, sample_size: int) -> Clip:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"clip file {str(path)!r} does not exist")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    missing = {"latents", "mouse", "buttons"} - tensors.keys()
+    if missing or "history_frames" not in meta:
+        raise ValueError(f"clip {str(path)!r} lacks {sorted(missing) or 'metadata history_frames'}")
+    lat, mouse, buttons = tensors["latents"], tensors["mouse"], tensors["buttons"]
+    if lat.ndim != 4 or tuple(lat.shape[1:]) != (channels, sample_size, sample_size):
+        raise ValueError(f"clip {str(path)!r} latents have shape {tuple(lat.shape)}; the model expects "
+                         f"[n, {channels}, {sample_size}, {sample_size}]")
+    n = mouse.shape[0]
+    if mouse.shape != (n, 2) or buttons.shape != (n, 11) or lat.shape[0] > n:
+        raise ValueError(f"clip {str(path)!r}: mouse {tuple(mouse.shape)} / buttons {tuple(buttons.shape)} "
+                         f"must be [n, 2] / [n, 11] with n >= {lat.shape[0]} latent frames")
+    return Clip(lat.float(), mouse.float(), buttons.float(), int(meta["history_frames"]), path.stem)
+
+
+def list_clips(folder: str | Path) -> list[Path]:
+    return sorted(Path(folder).glob("*.safetensors"))

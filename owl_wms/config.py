@@ -1,0 +1,177 @@
+"""World configs: the original GameRFT YAML schema plus our pipeline/decoder keys.
+
+A config file has the original sections (``model:``, ``train:`` with ``vae_scale``,
+``inference:``) and ours beside them (``pipeline:``, ``decoder:``). Relative paths in
+``pipeline.clips`` and ``decoder.path`` are resolved against the config file's folder.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config file is missing, malformed, or describes something we cannot build."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The ``model:`` section of an original GameRFT config (ARCHITECTURE Part 1)."""
+
+    sample_size: int
+    channels: int
+    n_layers: int
+    n_heads: int
+    d_model: int
+    tokens_per_frame: int
+    n_frames: int = 60
+    model_id: str = "game_rft"
+    n_buttons: int = 11
+    n_mouse_axes: int = 2
+    causal: bool = True
+    uncond: bool = False
+    backbone: str = "dit"
+    has_audio: bool = False
+    rope_impl: str = "motion"
+    rope_base: float = 10000.0
+    rope_ats_delta: float = 2.0
+    rope_dim_t: int | None = None
+    rope_dim_x: int | None = None
+    rope_dim_y: int | None = None
+    local_window: int | None = None
+    global_window: int | None = None
+    local_idx: int = 4
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def is_local(self, layer: int) -> bool:
+        return layer % self.local_idx != 0
+
+    def layer_window(self, layer: int) -> int | None:
+        """Frames a query may look back (itself included); None means unlimited."""
+        return self.local_window if self.is_local(layer) else self.global_window
+
+    def validate(self, source: str = "config") -> "ModelConfig":
+        def bad(key, value, fix):
+            raise ConfigError(f"{source}: model.{key}={value!r} is not supported: {fix}")
+
+        if self.model_id != "game_rft":
+            bad("model_id", self.model_id, "only 'game_rft' is implemented")
+        if self.backbone != "dit":
+            bad("backbone", self.backbone, "only 'dit' is implemented")
+        if self.has_audio:
+            bad("has_audio", self.has_audio, "audio models are not supported; set has_audio: false")
+        if not self.causal:
+            bad("causal", self.causal, "the streaming pipeline needs a causal model (causal: true)")
+        if self.d_model % self.n_heads:
+            bad("n_heads", self.n_heads, f"d_model {self.d_model} must be divisible by n_heads")
+        if self.tokens_per_frame != self.sample_size**2:
+            bad("tokens_per_frame", self.tokens_per_frame,
+                f"patch size is 1, so it must equal sample_size**2 = {self.sample_size ** 2}")
+        if self.rope_impl != "motion":
+            bad("rope_impl", self.rope_impl, "only 'motion' RoPE is implemented ('ortho' is optional and absent)")
+        if self.n_buttons != 11 or self.n_mouse_axes != 2:
+            bad("n_buttons/n_mouse_axes", (self.n_buttons, self.n_mouse_axes), "the controls are 2 mouse axes and 11 buttons")
+        if self.local_idx < 1:
+            bad("local_idx", self.local_idx, "must be >= 1")
+        for key in ("local_window", "global_window"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                bad(key, value, "a window is a positive number of frames, or null for unlimited")
+        return self
+
+    @classmethod
+    def from_mapping(cls, section: Any, source: str = "config") -> "ModelConfig":
+        data = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - data.keys())
+        if missing:
+            raise ConfigError(f"{source}: model section lacks required keys {missing}")
+        # Original configs carry training-only keys (cfg_prob, ...); they do not affect inference.
+        return cls(**{k: v for k, v in data.items() if k in names}).validate(source)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    window_frames: int = 60
+    history_alpha: float = 0.25
+    # Denoising schedule t_0 = 1 > t_1 > ... > 0; history is noised at history_alpha.
+    schedule: tuple[float, ...] = (1.0, 0.25, 0.0)
+    clips: str | None = None
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    cls: str = "AutoencoderTiny"
+    path: str | None = None
+    trained: bool = True
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """Everything a config file says, parsed once."""
+
+    model: ModelConfig
+    vae_scale: float
+    pipeline: PipelineConfig
+    decoder: DecoderConfig
+    inference: dict = field(default_factory=dict)
+    name: str = "world"
+    trained: bool = True
+    path: Path | None = None
+
+    def resolve(self, relative: str | None) -> Path | None:
+        if relative is None:
+            return None
+        p = Path(relative)
+        if not p.is_absolute() and self.path is not None:
+            p = self.path.parent / p
+        return p
+
+
+def load_config(path: str | Path) -> WorldConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML config "
+                          "(for example checkpoints/<world>/config.yaml)")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as exc:  # omegaconf raises several yaml/parse error types
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    if "model" not in raw:
+        raise ConfigError(f"config file {str(path)!r} has no 'model:' section")
+    model = ModelConfig.from_mapping(raw.model, source=str(path))
+    train = raw.get("train") or {}
+    vae_scale = float(train.get("vae_scale", 1.0))
+    pipe = OmegaConf.to_container(raw.get("pipeline") or OmegaConf.create({}), resolve=True)
+    unknown = set(pipe) - {f.name for f in dataclasses.fields(PipelineConfig)}
+    if unknown:
+        raise ConfigError(f"{path}: unknown pipeline keys {sorted(unknown)}; "
+                          f"known: {[f.name for f in dataclasses.fields(PipelineConfig)]}")
+    if "schedule" in pipe:
+        pipe["schedule"] = tuple(float(t) for t in pipe["schedule"])
+    pipeline = PipelineConfig(**pipe)
+    sched = pipeline.schedule
+    if len(sched) < 2 or sched[0] != 1.0 or sched[-1] != 0.0 or any(a <= b for a, b in zip(sched, sched[1:])):
+        raise ConfigError(f"{path}: pipeline.schedule={list(sched)} must fall strictly from 1.0 to 0.0")
+    if pipeline.window_frames < 2:
+        raise ConfigError(f"{path}: pipeline.window_frames={pipeline.window_frames} must be >= 2")
+    dec = OmegaConf.to_container(raw.get("decoder") or OmegaConf.create({}), resolve=True)
+    decoder = DecoderConfig(cls=dec.get("class", "AutoencoderTiny"), path=dec.get("path"),
+                            trained=bool(dec.get("trained", True)))
+    inference = OmegaConf.to_container(raw.get("inference") or OmegaConf.create({}), resolve=True)
+    meta = raw.get("world") or {}
+    return WorldConfig(model=model, vae_scale=vae_scale, pipeline=pipeline, decoder=decoder,
+                       inference=inference, name=str(meta.get("name", path.parent.name)),
+                       trained=bool(meta.get("trained", True)), path=path)

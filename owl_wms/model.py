@@ -1,0 +1,214 @@
+"""GameRFT: the original world-model DiT, with the original state-dict names (ARCHITECTURE Part 1)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .attention import BACKENDS, Attention
+from .config import ModelConfig
+from .rope import MotionRoPE
+
+
+class SinCos(nn.Module):
+    """[sin(x*mult*f_k) ..., cos(x*mult*f_k) ...] with f_k = theta^(-k/(half-1))."""
+
+    def __init__(self, dim: int, theta: float = 300.0, mult: float = 1000.0):
+        super().__init__()
+        half = dim // 2
+        self.mult = mult
+        self.register_buffer("freqs", torch.exp(-torch.arange(half, dtype=torch.float32) * math.log(theta) / (half - 1)),
+                             persistent=False)
+
+    def forward(self, x):
+        arg = (x.float() * self.mult)[..., None] * self.freqs
+        return torch.cat([arg.sin(), arg.cos()], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int, d_hidden: int, d_out: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d_in, d_hidden), nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(F.silu(self.fc1(x)))
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.sincos = SinCos(512)
+        self.mlp = MLP(512, 4 * d, d)
+
+    def forward(self, t):
+        return self.mlp(self.sincos(t).to(self.mlp.fc1.weight.dtype))
+
+
+class MouseEmbedding(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.angle_proj = nn.Linear(2, 256, bias=False)
+        self.sincos = SinCos(256)
+        self.mlp = MLP(512, 2048, d)
+
+    def forward(self, mouse):
+        m = mouse.float()
+        m = m.sign() * torch.log1p(m.abs())  # symlog per axis
+        angle = torch.atan2(m[..., 1], m[..., 0])
+        magnitude = m.norm(dim=-1)
+        dtype = self.angle_proj.weight.dtype
+        a = self.angle_proj(torch.stack([angle.cos(), angle.sin()], dim=-1).to(dtype))
+        return self.mlp(torch.cat([a, self.sincos(magnitude).to(dtype)], dim=-1))
+
+
+class ButtonEmbedding(nn.Module):
+    def __init__(self, d: int, n_buttons: int = 11):
+        super().__init__()
+        self.proj = MLP(n_buttons, 2048, d)
+
+    def forward(self, buttons):
+        return self.proj((buttons.to(self.proj.fc1.weight.dtype) * 2) - 1)
+
+
+class ControlEmbedding(nn.Module):
+    def __init__(self, d: int, n_buttons: int = 11):
+        super().__init__()
+        self.mouse = MouseEmbedding(d)
+        self.button = ButtonEmbedding(d, n_buttons)
+
+    def forward(self, mouse, buttons):
+        return self.mouse(mouse) + self.button(buttons)
+
+
+def per_frame(x, n_frames):
+    """View tokens [b, n*tpf, d] as [b, n, tpf, d] so per-frame conditioning broadcasts."""
+    return x.view(x.shape[0], n_frames, -1, x.shape[-1])
+
+
+class AdaLN(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, 2 * d)
+
+    def forward(self, x, cond):
+        a, b = self.fc(F.silu(cond)).unsqueeze(2).chunk(2, dim=-1)
+        y = F.rms_norm(per_frame(x, cond.shape[1]), (x.shape[-1],)) * (1 + a) + b
+        return y.view_as(x)
+
+
+class Gate(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc_c = nn.Linear(d, d)
+
+    def forward(self, x, cond):
+        c = self.fc_c(F.silu(cond)).unsqueeze(2)
+        return (c * per_frame(x, cond.shape[1])).view_as(x)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        d = cfg.d_model
+        self.adaln1, self.adaln2 = AdaLN(d), AdaLN(d)
+        self.gate1, self.gate2 = Gate(d), Gate(d)
+        self.attn = Attention(d, cfg.n_heads, layer, cfg.tokens_per_frame, cfg.layer_window(layer))
+        self.mlp = MLP(d, 4 * d, d)
+
+    def forward(self, x, cond, rope, kv_cache, backend, window_cap):
+        x = x + self.gate1(self.attn(self.adaln1(x, cond), rope, kv_cache, backend, window_cap), cond)
+        return x + self.gate2(self.mlp(self.adaln2(x, cond)), cond)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(cfg.n_layers))
+        self.backend, self.decode_backend = "sdpa", "sdpa"
+        self.decoding = False
+
+    # The original's call sequence toggles these around prefill/decode; here they pick
+    # which attention backend runs (prefill vs. per-frame decode).
+    def enable_decoding(self):
+        self.decoding = True
+
+    def disable_decoding(self):
+        self.decoding = False
+
+    def set_backends(self, prefill: str, decode: str):
+        for b in (prefill, decode):
+            if b not in BACKENDS:
+                raise ValueError(f"attention backend {b!r} is not one of {BACKENDS}")
+        self.backend, self.decode_backend = prefill, decode
+
+    def forward(self, x, cond, rope, kv_cache=None, window_cap=None):
+        backend = self.decode_backend if self.decoding else self.backend
+        for block in self.blocks:
+            x = block(x, cond, rope, kv_cache, backend, window_cap)
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, d: int, channels: int):
+        super().__init__()
+        self.norm = AdaLN(d)
+        self.proj = nn.Linear(d, channels)
+
+    def forward(self, x, cond):
+        return self.proj(F.silu(self.norm(x, cond)))
+
+
+class GameRFTCore(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.proj_in = nn.Linear(config.channels, d, bias=False)
+        self.t_embed = TimestepEmbedding(d)
+        self.control_embed = ControlEmbedding(d, config.n_buttons)
+        self.transformer = Transformer(config)
+        self.proj_out = FinalLayer(d, config.channels)
+        self.rope = MotionRoPE(config)
+
+    def check_inputs(self, x, t, mouse, button):
+        c, s = self.config.channels, self.config.sample_size
+        if x.ndim != 5 or tuple(x.shape[2:]) != (c, s, s):
+            raise ValueError(f"x has shape {tuple(x.shape)}; expected [batch, frames, {c}, {s}, {s}]")
+        b, n = x.shape[:2]
+        for name, val, tail in (("t", t, ()), ("mouse", mouse, (2,)), ("button", button, (self.config.n_buttons,))):
+            if val is not None and tuple(val.shape) != (b, n, *tail):
+                raise ValueError(f"{name} has shape {tuple(val.shape)}; expected {[b, n, *tail]} to match x")
+
+    def forward(self, x, t, mouse=None, button=None, kv_cache=None, frame_offset: int = 0,
+                window_cap: int | None = None):
+        """x [b,n,c,h,w], t [b,n], mouse [b,n,2], button [b,n,11] -> velocity [b,n,c,h,w].
+
+        With a cache, positions continue from the cache's token offset; without one they
+        start at ``frame_offset``. ``window_cap`` limits every layer's look-back (frames).
+        """
+        self.check_inputs(x, t, mouse, button)
+        b, n, c, h, w = x.shape
+        cond = self.t_embed(t)
+        if mouse is not None and button is not None and not self.config.uncond:
+            cond = cond + self.control_embed(mouse, button)
+        tokens = self.proj_in(rearrange(x, "b n c h w -> b (n h w) c").to(self.proj_in.weight.dtype))
+        offset = kv_cache.get_offset(0) if kv_cache is not None else frame_offset * self.config.tokens_per_frame
+        rope = self.rope.cos_sin(offset, tokens.shape[1], x.device)
+        tokens = self.transformer(tokens, cond, rope, kv_cache, window_cap)
+        out = self.proj_out(tokens, cond)
+        return rearrange(out, "b (n h w) c -> b n c h w", n=n, h=h, w=w)
+
+
+class GameRFT(nn.Module):
+    """Wrapper with the original's ``core`` attribute (checkpoints name weights ``core.*``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.core = GameRFTCore(config)
+
+    def forward(self, *args, **kwargs):
+        return self.core(*args, **kwargs)

@@ -1,0 +1,60 @@
+"""Frame decoder: a diffusers autoencoder loaded from a local folder (no hub access)."""
+from __future__ import annotations
+
+import diffusers
+import torch
+from torch import nn
+
+from .config import ConfigError, WorldConfig
+
+
+class FrameDecoder(nn.Module):
+    """``decode(latents [b,c,h,w]) -> RGB [b,3,H,W] in [-1, 1]`` around any diffusers autoencoder."""
+
+    def __init__(self, autoencoder: nn.Module, latent_channels: int):
+        super().__init__()
+        self.autoencoder = autoencoder
+        self.latent_channels = latent_channels
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        if latents.ndim != 4 or latents.shape[1] != self.latent_channels:
+            raise ValueError(f"decoder input has shape {tuple(latents.shape)}; expected "
+                             f"[batch, {self.latent_channels}, h, w]")
+        p = next(self.autoencoder.parameters())
+        out = self.autoencoder.decode(latents.to(p.device, p.dtype)).sample
+        return out.float().clamp(-1, 1)
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """RGB [b,3,H,W] in [-1,1] -> latents (the mean for KL autoencoders)."""
+        p = next(self.autoencoder.parameters())
+        enc = self.autoencoder.encode(images.to(p.device, p.dtype))
+        out = enc.latent_dist.mean if hasattr(enc, "latent_dist") else enc.latents
+        return out.float()
+
+    forward = decode
+
+
+def autoencoder_class(name: str):
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ConfigError(f"decoder.class={name!r} is not a diffusers autoencoder; use for example "
+                          "AutoencoderTiny, AutoencoderKL or AutoencoderDC")
+    return cls
+
+
+def load_decoder(world: WorldConfig) -> FrameDecoder:
+    folder = world.resolve(world.decoder.path)
+    if folder is None:
+        raise ConfigError(f"{world.path}: no decoder.path; add a 'decoder: {{class: ..., path: vae}}' section")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{world.path}: decoder folder {str(folder)!r} has no config.json "
+                          "(save the autoencoder there with save_pretrained)")
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()  # AutoencoderTiny warns about its own saved keys
+    try:
+        ae = autoencoder_class(world.decoder.cls).from_pretrained(str(folder), local_files_only=True)
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
+    return FrameDecoder(ae.eval(), world.model.channels)

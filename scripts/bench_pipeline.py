@@ -1,0 +1,120 @@
+"""Frames per second of the streaming pipeline.
+
+    python -m scripts.bench_pipeline [--frames 32] [--prod-window 8] [--device cpu] [--skip-prod]
+
+Two rows measured in one run: the shipped default world (denoise + decode), and the
+production-size GameRFT (16 layers, d_model 1536, 24 heads, 64 tokens/frame, random
+weights, bf16) with a reduced window (denoise only: no production decoder ships here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from inference.causvid_pipeline import CausvidPipeline
+from owl_wms.config import ModelConfig, PipelineConfig, WorldConfig, DecoderConfig
+from owl_wms.model import GameRFT
+from owl_wms.settings import Settings
+
+PRODUCTION = dict(sample_size=8, channels=128, n_layers=16, n_heads=24, d_model=1536, tokens_per_frame=64,
+                  n_frames=60, local_window=16, global_window=None)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {torch.get_num_threads()} threads{gpu}"
+
+
+def timed(fn, frames: int, warmup: int, sync) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(frames):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def row(name: str, times: list[float], **extra) -> dict:
+    med = statistics.median(times)
+    return {"config": name, "fps": len(times) / sum(times), "median_ms": med * 1000,
+            "p95_ms": sorted(times)[int(0.95 * (len(times) - 1))] * 1000, **extra}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--prod-window", type=int, default=8, help="window (frames) of the production-size run")
+    p.add_argument("--prod-frames", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex"])
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--skip-prod", action="store_true")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+
+    print(f"command: {' '.join([sys.executable.split('/')[-1], '-m', 'scripts.bench_pipeline', *sys.argv[1:]])}")
+    print(f"torch {torch.__version__}; machine: {machine()}")
+    settings = Settings(device=args.device, dtype=torch.bfloat16, attn_backend=args.backend,
+                        attn_backend_decode=args.backend, compile=args.compile)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    rows = []
+
+    pipe = CausvidPipeline.from_checkpoint(settings=settings, verbose=False)
+    walk = ([0.0, 0.0], [1] + [0] * 10)
+    rows.append(row(f"default ({pipe.world.name}, window {pipe.window}) denoise+decode",
+                    timed(lambda: pipe(*walk), args.frames, args.warmup, sync)))
+    rows.append(row(f"default ({pipe.world.name}, window {pipe.window}) denoise only",
+                    timed(lambda: pipe.generate(*walk), args.frames, args.warmup, sync)))
+
+    if not args.skip_prod:
+        cfg = ModelConfig.from_mapping(PRODUCTION)
+        with torch.device(args.device):
+            torch.manual_seed(0)
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                model = GameRFT(cfg)
+            finally:
+                torch.set_default_dtype(prev)
+        params = sum(p.numel() for p in model.parameters())
+        world = WorldConfig(model=cfg, vae_scale=1.0, pipeline=PipelineConfig(window_frames=args.prod_window),
+                            decoder=DecoderConfig(), name="production-size-random")
+        prod = CausvidPipeline(model, None, world, settings, verbose=False)
+        c, s = cfg.channels, cfg.sample_size
+        w = args.prod_window
+        t0 = time.perf_counter()
+        prod.prefill(torch.randn(w, c, s, s), torch.zeros(w, 2), torch.zeros(w, 11))
+        sync()
+        prefill_s = time.perf_counter() - t0
+        rows.append(row(f"production-size ({params / 1e6:.0f}M params, window {w}) denoise only",
+                        timed(lambda: prod.generate(*walk), args.prod_frames, 1, sync), prefill_s=prefill_s))
+
+    print(f"\n{'config':<62} {'FPS':>8} {'median ms':>10} {'p95 ms':>8}")
+    for r in rows:
+        print(f"{r['config']:<62} {r['fps']:>8.2f} {r['median_ms']:>10.1f} {r['p95_ms']:>8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "machine": machine(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Mask rule, the two backends, and RoPE far beyond the original's table."""
+import math
+
+import pytest
+import torch
+
+from owl_wms.attention import attend, block_mask, dense_mask
+from owl_wms.rope import MotionRoPE, apply_rope
+
+from .conftest import random_model, tiny_config
+
+
+@pytest.mark.parametrize("window", [3, None], ids=["local", "global"])
+@pytest.mark.parametrize("n_q,n_k", [(6, 6), (1, 5), (2, 7)])
+def test_dense_mask_equals_flex_block_mask(window, n_q, n_k):
+    tpf = 16
+    blocks = block_mask(n_q, n_k, tpf, window, "cpu", block_size=tpf).to_dense()[0, 0].bool()
+    from_blocks = blocks.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1)
+    dense = dense_mask(n_q, n_k, tpf, window)
+    assert from_blocks.shape == dense.shape and torch.equal(from_blocks, dense)
+    # and the dense mask is the rule written out token by token
+    for qi in range(0, n_q * tpf, 7):
+        for ki in range(0, n_k * tpf, 5):
+            fq, fk = qi // tpf + n_k - n_q, ki // tpf
+            assert dense[qi, ki] == (fk <= fq and (window is None or fq - fk < window))
+
+
+@pytest.mark.parametrize("window", [2, None])
+def test_flex_and_sdpa_agree(window):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 4 * 16, 32, generator=g)
+    k, v = torch.randn(2, 2, 6 * 16, 32, generator=g), torch.randn(2, 2, 6 * 16, 32, generator=g)
+    a = attend(q, k, v, 16, window, "sdpa")
+    b = attend(q, k, v, 16, window, "flex")
+    assert (a - b).abs().max() < 1e-5
+
+
+def reference_angles(p: int, tpf: int, side: int, dh: int = 64, delta: float = 2.0, theta: float = 10000.0):
+    """ARCHITECTURE Part 1 written out in Python floats (float64)."""
+    t_dim, x_dim, y_dim = dh * 2 // 8, dh * 3 // 8, dh * 3 // 8
+    s = t_dim + x_dim + y_dim
+    f = [1.0 / theta ** (2 * j / s) for j in range(s // 2)]
+    n_sp = (x_dim + y_dim) // 2
+    fx, fy, ft = f[0:n_sp:2], f[1:n_sp:2], f[n_sp:]
+    frame, n = divmod(p, tpf)
+    r, c = divmod(n, side)
+    t = frame * delta
+    x, y = t + c - (side - 1) / 2, t + r - (side - 1) / 2
+    out = []
+    for i in range(len(fx)):
+        out += [x * fx[i], y * fy[i]]
+    return out + [t * v for v in ft]
+
+
+def test_rope_far_beyond_the_original_table_matches_float64_formula():
+    cfg = tiny_config(sample_size=8, tokens_per_frame=64)
+    rope = MotionRoPE(cfg)
+    start = 250_000 * 64 + 37  # frame 250,000: the original's table ended near frame 32
+    angles = rope.angles(start, 70)
+    for i in (0, 1, 27, 69):
+        ref = torch.tensor(reference_angles(start + i, 64, 8), dtype=torch.float64)
+        assert torch.allclose(angles[i], ref, rtol=0, atol=1e-9)
+    cos, sin = rope.cos_sin(start, 70, "cpu")
+    v = torch.randn(1, 1, 70, 64, dtype=torch.float64)
+    out = apply_rope(v.float(), cos, sin).double()
+    a = torch.tensor([reference_angles(start + i, 64, 8) for i in range(70)], dtype=torch.float64)
+    ev, od = v[..., 0::2], v[..., 1::2]
+    ref = torch.cat([ev * a.cos() - od * a.sin(), od * a.cos() + ev * a.sin()], dim=-1)
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_model_output_is_invariant_to_absolute_position():
+    """RoPE is relative: a window 100,000 frames into a session gives the same velocity."""
+    cfg = tiny_config()
+    model = random_model(cfg)
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(1, 4, 8, 4, 4, generator=g), torch.rand(1, 4, generator=g)
+    m, b = torch.randn(1, 4, 2, generator=g), (torch.rand(1, 4, 11, generator=g) > 0.5).float()
+    with torch.no_grad():
+        near = model(x, t, m, b, frame_offset=0)
+        far = model(x, t, m, b, frame_offset=100_000)
+    assert (near - far).abs().max() < 1e-3 * max(1.0, near.abs().max().item())
+    assert not math.isnan(far.sum().item())

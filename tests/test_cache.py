@@ -1,0 +1,90 @@
+"""The bf16/fp32 StaticCache against the no-cache baseline, and the cache contract."""
+import pytest
+import torch
+
+from inference.causvid_pipeline import CausvidPipeline
+from owl_wms.cache import StaticCache
+
+from .conftest import fp32_settings, random_model, tiny_config, tiny_world
+
+CONFIGS = {
+    "golden-shape": {},
+    "global-window-local-idx-2": dict(global_window=4, local_idx=2, local_window=2),
+    "head-dim-32-wide-frame": dict(n_heads=4, sample_size=3, tokens_per_frame=9, n_layers=3, local_window=4),
+}
+
+
+def rollout(cfg, kv_cache: str, frames: int, window: int = 5, seed: int = 0):
+    model = random_model(cfg)
+    pipe = CausvidPipeline(model, None, tiny_world(cfg, window), fp32_settings(kv_cache=kv_cache, seed=seed),
+                           verbose=False)
+    g = torch.Generator().manual_seed(1)
+    c, s = cfg.channels, cfg.sample_size
+    pipe.prefill(torch.randn(window, c, s, s, generator=g), torch.randn(window, 2, generator=g),
+                 (torch.rand(window, 11, generator=g) > 0.5).float())
+    outs = []
+    for _ in range(frames):
+        mouse = torch.randn(2, generator=g) * 3
+        buttons = (torch.rand(11, generator=g) > 0.7).float()
+        outs.append(pipe.generate(mouse, buttons))
+    return torch.cat(outs, dim=1), pipe
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_decode_equals_no_cache_baseline(name):
+    cfg = tiny_config(**CONFIGS[name])
+    frames = 100 if name == "golden-shape" else 30  # 100 frames = 20 rollovers of a 5-frame window
+    cached, pipe = rollout(cfg, "static", frames)
+    baseline, _ = rollout(cfg, "none", frames)
+    assert pipe.cache.get_offset(0) == (5 + frames) * cfg.tokens_per_frame
+    err = (cached - baseline).abs().max().item()
+    assert err <= 1e-4, err
+    assert cached.abs().mean() > 0.1  # the comparison is over real, non-trivial outputs
+
+
+def test_same_seed_same_frames_other_seed_differs():
+    cfg = tiny_config()
+    a, _ = rollout(cfg, "static", 6, seed=3)
+    b, _ = rollout(cfg, "static", 6, seed=3)
+    c, _ = rollout(cfg, "static", 6, seed=4)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+def _kv(cfg, frames, fill):
+    shape = (1, cfg.n_heads, frames * cfg.tokens_per_frame, cfg.head_dim)
+    return torch.full(shape, float(fill)), torch.full(shape, float(-fill))
+
+
+def test_static_cache_window_roll_and_logical_append():
+    cfg = tiny_config(n_layers=1)
+    cache = StaticCache(cfg, max_length=3, dtype=torch.float32)
+    tpf = cfg.tokens_per_frame
+    for f in range(3):
+        cache.update(*_kv(cfg, 1, f + 1), 0)
+    assert cache.get_offset(0) == 3 * tpf and cache.n_frames(0) == 3
+    k, _ = cache.get(0, *_kv(cfg, 1, 9))
+    # Read-only step: the window (W frames) as if appended; the oldest frame drops out, nothing mutates.
+    assert k.shape[2] == 3 * tpf and k[0, 0, ::tpf, 0].tolist() == [2, 3, 9]
+    assert cache.get(0)[0][0, 0, ::tpf, 0].tolist() == [1, 2, 3] and cache.get_offset(0) == 3 * tpf
+    cache.update(*_kv(cfg, 1, 4), 0)  # writing rolls: the oldest frame is evicted
+    k, v = cache.get(0)
+    assert k[0, 0, ::tpf, 0].tolist() == [2, 3, 4] and v[0, 0, ::tpf, 0].tolist() == [-2, -3, -4]
+    assert cache.get_offset(0) == 4 * tpf
+    cache.truncate(2)
+    assert cache.get(0)[0][0, 0, ::tpf, 0].tolist() == [4] and cache.get_offset(0) == 4 * tpf
+    cache.reset(2)
+    assert cache.get_offset(0) == 0 and cache.shape == (2, cfg.n_heads, 3 * tpf, cfg.head_dim)
+    assert cache.to(dtype=torch.bfloat16).k[0].dtype == torch.bfloat16
+
+
+def test_static_cache_rejects_bad_writes():
+    cfg = tiny_config(n_layers=1)
+    cache = StaticCache(cfg, max_length=2, dtype=torch.float32)
+    k, v = _kv(cfg, 3, 1)
+    with pytest.raises(ValueError, match="at most the cache's 2 frames"):
+        cache.update(k, v, 0)
+    with pytest.raises(ValueError, match="head dim"):
+        cache.update(torch.zeros(1, cfg.n_heads, cfg.tokens_per_frame, 7), torch.zeros(1, cfg.n_heads, cfg.tokens_per_frame, 7), 0)
+    with pytest.raises(ValueError, match="whole frames"):
+        cache.update(k[:, :, :5], v[:, :, :5], 0)

@@ -1,0 +1,119 @@
+"""Headless rollouts: frame counts, Ctrl-C, bad paths and actions, profiling output."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from inference.actions import load_actions, write_action_file
+from inference.causvid_pipeline import CausvidPipeline
+from inference.video import count_frames, read_frames
+
+from .conftest import REPO
+
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("OWL_")}
+
+
+def run(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "inference.game_cv", *args], cwd=REPO, capture_output=True,
+                          text=True, env={**ENV, **(env or {})}, timeout=300, **kw)
+
+
+def test_rollout_writes_exactly_n_h264_frames(tmp_path):
+    out = tmp_path / "x.mp4"
+    r = run("--headless", "--frames", "12", "--out", str(out), "--actions", "walk_turn")
+    assert r.returncode == 0, r.stderr
+    assert count_frames(out) == 12 and read_frames(out).shape == (12, 256, 256, 3)
+    assert "UNTRAINED" in r.stdout and "pipeline" in r.stdout and "total" in r.stdout
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_profile_lines_when_enabled(tmp_path):
+    r = run("--headless", "--frames", "4", "--out", str(tmp_path / "p.mp4"),
+            env={"OWL_PROFILE_KV": "1", "OWL_PROFILE_KV_FIRST": "2", "OWL_PROFILE_KV_EVERY": "100"})
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[KV-Profile]")]
+    assert lines[0].startswith("[KV-Profile] prefill_s=")
+    assert len(lines) == 3 and all("step1_ms=" in ln and "decoder_ms=" in ln for ln in lines[1:])
+
+
+def test_ctrl_c_leaves_a_valid_mp4(tmp_path):
+    out = tmp_path / "long.mp4"
+    proc = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--headless", "--frames", "2000",
+                             "--out", str(out)], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while time.time() < deadline and "| 8/2000" not in "".join(seen) and proc.poll() is None:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout + "".join(seen)
+    written = int(re.search(r"\((\d+) frames\) - interrupted", stdout).group(1))
+    assert 8 <= written < 2000 and count_frames(out) == written
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_unwritable_output_fails_before_loading(tmp_path):
+    t0 = time.time()
+    r = run("--headless", "--frames", "3", "--out", str(tmp_path / "no" / "such" / "dir" / "x.mp4"))
+    assert r.returncode == 2 and "does not exist" in r.stderr and "--out" in r.stderr
+    assert "[owl]" not in r.stdout and time.time() - t0 < 60
+    r = run("--headless", "--out", str(tmp_path / "x.avi"))
+    assert r.returncode == 2 and "must end in .mp4" in r.stderr
+
+
+def test_action_file_round_trip_and_errors(tmp_path):
+    actions = load_actions("random:3", 20)
+    write_action_file(tmp_path / "a.jsonl", actions)
+    assert load_actions(str(tmp_path / "a.jsonl"), None) == actions
+    with pytest.raises(ValueError, match="has 20 actions but 30 frames"):
+        load_actions(str(tmp_path / "a.jsonl"), 30)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"mouse": [0, 0], "buttons": [0] * 10}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: buttons must be 11"):
+        load_actions(str(tmp_path / "bad.jsonl"), None)
+    r = run("--headless", "--actions", "nonsense", "--out", str(tmp_path / "y.mp4"))
+    assert r.returncode == 2 and "neither a built-in script" in r.stderr
+
+
+def test_action_file_drives_rollout_and_frames_are_deterministic(tmp_path):
+    write_action_file(tmp_path / "a.jsonl", load_actions("random:1", 6))
+    outs = []
+    for name in ("a", "b"):
+        r = run("--headless", "--actions", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / f"{name}.mp4"))
+        assert r.returncode == 0, r.stderr
+        outs.append(read_frames(tmp_path / f"{name}.mp4"))
+    assert outs[0].shape[0] == 6 and np.array_equal(outs[0], outs[1])
+
+
+def test_pipeline_frames_deterministic_and_controls_validated():
+    frames = []
+    for _ in range(2):
+        pipe = CausvidPipeline.from_checkpoint(verbose=False)
+        frames.append(torch.stack([pipe([1.0, 0.0], [1] + [0] * 10)[0] for _ in range(3)]))
+    assert frames[0].dtype == torch.uint8 and frames[0].shape == (3, 64, 64, 3)
+    assert torch.equal(frames[0], frames[1])
+    with pytest.raises(ValueError, match="buttons has 10 values; expected 11"):
+        pipe([0, 0], [0] * 10)
+    with pytest.raises(ValueError, match="mouse has 3 values"):
+        pipe([0, 0, 0], [0] * 11)
+
+
+def test_ground_truth_replays_clip_actions_and_restart_repeats():
+    pipe = CausvidPipeline.from_checkpoint(ground_truth=True, verbose=False)
+    a = [pipe(None, None)[0] for _ in range(3)]
+    assert pipe.gt_step == 3
+    pipe.restart_from_buffer()
+    b = [pipe(None, None)[0] for _ in range(3)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    pipe.load_clip(1)
+    assert pipe.clip.name == "clip_01" and pipe.gt_step == 0

@@ -1,0 +1,92 @@
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import owl_wms
+from owl_wms.loading import CheckpointError, read_state_dict
+
+from .conftest import REPO, random_model
+
+
+def write_config(tmp_path):
+    text = (REPO / "configs" / "untrained_tiny.yaml").read_text()
+    text = text.replace("n_layers: 8", "n_layers: 2")
+    (tmp_path / "config.yaml").write_text(text)
+    return tmp_path / "config.yaml"
+
+
+def small_state(cfg_path):
+    from owl_wms.config import load_config
+
+    return random_model(load_config(cfg_path).model).core.state_dict()
+
+
+@pytest.mark.parametrize("wrap", ["plain", "ema", "model"])
+@pytest.mark.parametrize("prefix", ["", "core.", "ema_model.", "module.", "_orig_mod.", "module._orig_mod.core."])
+def test_pt_wrappers_and_prefixes_load(tmp_path, wrap, prefix):
+    cfg = write_config(tmp_path)
+    state = small_state(cfg)
+    sd = {prefix + k: v for k, v in state.items()}
+    torch.save(sd if wrap == "plain" else {wrap: sd}, tmp_path / "w.pt")
+    model = owl_wms.from_pretrained(cfg, tmp_path / "w.pt")
+    assert all(torch.equal(model.core.state_dict()[k], v) for k, v in state.items())
+
+
+def test_safetensors_and_decoder(tmp_path):
+    cfg = write_config(tmp_path)
+    save_file(small_state(cfg), str(tmp_path / "model.safetensors"))
+    (tmp_path / "vae").symlink_to(REPO / "checkpoints" / "untrained-tiny" / "vae")
+    model, decoder = owl_wms.from_pretrained(cfg, tmp_path / "model.safetensors", return_decoder=True)
+    rgb = decoder.decode(torch.randn(2, model.config.channels, 8, 8))
+    assert rgb.shape == (2, 3, 64, 64) and rgb.min() >= -1 and rgb.max() <= 1
+    with pytest.raises(ValueError, match="expected \\[batch, 16, h, w\\]"):
+        decoder.decode(torch.randn(2, 3, 8, 8))
+
+
+def test_mismatch_errors_name_file_and_keys(tmp_path):
+    cfg = write_config(tmp_path)
+    state = small_state(cfg)
+    state.pop("proj_in.weight")
+    state["extra.weight"] = torch.zeros(1)
+    state["proj_out.proj.bias"] = torch.zeros(3)
+    path = tmp_path / "bad.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError) as err:
+        owl_wms.from_pretrained(cfg, path)
+    msg = str(err.value)
+    assert str(path) in msg and "proj_in.weight" in msg and "extra.weight" in msg
+    assert "proj_out.proj.bias: expected [16], got [3]" in msg
+
+
+def test_unreadable_and_missing_files(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_state_dict(tmp_path / "nope.safetensors")
+    torch.save({"model": {"w": torch.zeros(1)}, "opt": object()}, tmp_path / "pickle.pt")
+    with pytest.raises(CheckpointError, match="could not be read"):  # weights_only refuses objects
+        read_state_dict(tmp_path / "pickle.pt")
+    from owl_wms.config import ConfigError
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        owl_wms.from_pretrained(tmp_path / "missing.yaml", tmp_path / "x.pt")
+
+
+def test_config_errors_are_specific(tmp_path):
+    from owl_wms.config import ConfigError, load_config
+
+    text = (REPO / "configs" / "untrained_tiny.yaml").read_text()
+    (tmp_path / "a.yaml").write_text(text.replace("tokens_per_frame: 64", "tokens_per_frame: 60"))
+    with pytest.raises(ConfigError, match="tokens_per_frame=60"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text(text.replace("schedule: [1.0, 0.25, 0.0]", "schedule: [1.0, 0.5]"))
+    with pytest.raises(ConfigError, match="schedule"):
+        load_config(tmp_path / "b.yaml")
+
+
+def test_default_checkpoint_loads_and_matches_its_config():
+    ckpt = REPO / "checkpoints" / "untrained-tiny"
+    model, decoder = owl_wms.from_pretrained(ckpt / "config.yaml", ckpt / "model.safetensors", return_decoder=True)
+    from owl_wms.config import load_config
+
+    world = load_config(ckpt / "config.yaml")
+    assert model.config == world.model and not world.trained
+    assert decoder.decode(torch.zeros(1, world.model.channels, 8, 8)).shape == (1, 3, 64, 64)
