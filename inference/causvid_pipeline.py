@@ -57,7 +57,11 @@ class CausvidPipeline:
         self.device = torch.device(s.device)
         self.model = model.to(self.device, s.dtype).eval()
         self.model.core.transformer.set_backends(s.attn_backend, s.attn_backend_decode)
-        self.core = torch.compile(self.model.core) if s.compile else self.model.core
+        if s.compile:
+            # Only the transformer is compiled: RoPE angles and cache bookkeeping run eagerly
+            # around it, so decode shapes are static and nothing recompiles per frame.
+            self.model.core.transformer.compile(dynamic=False)
+        self.core = self.model.core
         self.decoder = decoder.to(self.device).eval() if decoder is not None else None
         self.generator = torch.Generator().manual_seed(s.seed)
         self.profiler = KVProfiler(s.device, s.profile_kv_first, s.profile_kv_every) if s.profile_kv else None

@@ -39,6 +39,7 @@ def dense_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, d
     return frame_visible(q[:, None], k[None, :], window)
 
 
+@torch.compiler.disable  # built once per shape in eager; compiled graphs take it as an input
 @lru_cache(maxsize=64)
 def block_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, device: str,
                block_size: int = 128):
@@ -51,6 +52,13 @@ def block_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, d
                              device=device, BLOCK_SIZE=block_size)
 
 
+@torch.compiler.disable
+def _flex_eager(q, k, v, bm, scale):
+    # Inductor's CPU lowering of FlexAttention fails for our shapes (ARCHITECTURE Part 5), so
+    # on CPU it stays eager even when the rest of the model is compiled.
+    return flex_attention(q, k, v, block_mask=bm, scale=scale)
+
+
 def attend(q, k, v, tpf: int, window: int | None, backend: str):
     """q: [b,h,Tq,dh], k/v: [b,h,Tk,dh]; query frames are the last Tq/tpf key frames."""
     n_q, n_k = q.shape[2] // tpf, k.shape[2] // tpf
@@ -61,6 +69,8 @@ def attend(q, k, v, tpf: int, window: int | None, backend: str):
     scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "flex":
         bm = block_mask(n_q, n_k, tpf, window, str(q.device))
+        if q.device.type == "cpu":
+            return _flex_eager(q, k, v, bm, scale)
         return flex_attention(q, k, v, block_mask=bm, scale=scale)
     # One query frame after the tail read sees every key: no mask needed.
     mask = None if n_q == 1 else dense_mask(n_q, n_k, tpf, window, q.device)
@@ -74,19 +84,26 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
 
-    def forward(self, x, rope, kv_cache=None, backend: str = "sdpa", window_cap: int | None = None):
+    def project(self, x, cos, sin):
+        """Pure: q, k, v [b, h, t, dh] with QK-norm and RoPE (K is cached in this form)."""
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
         q, k = F.rms_norm(q, (q.shape[-1],)), F.rms_norm(k, (k.shape[-1],))
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
-            if kv_cache.should_update:
-                kv_cache.update(k, v, self.layer)
-                k, v = kv_cache.get(self.layer)
-            else:
-                k, v = kv_cache.get(self.layer, new_k=k, new_v=v)
-        window = self.window
-        if window_cap is not None:
-            window = window_cap if window is None else min(window, window_cap)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def with_cache(self, k, v, kv_cache):
+        """Eager cache bookkeeping: write this call's K/V (when enabled) and read the window."""
+        if kv_cache is None:
+            return k, v
+        if kv_cache.should_update:
+            kv_cache.update(k, v, self.layer)
+            return kv_cache.get(self.layer)
+        return kv_cache.get(self.layer, new_k=k, new_v=v)
+
+    def effective_window(self, window_cap: int | None) -> int | None:
+        if window_cap is None:
+            return self.window
+        return window_cap if self.window is None else min(self.window, window_cap)
+
+    def attend_out(self, q, k, v, window: int | None, backend: str):
         y = attend(q, k, v, self.tpf, window, backend)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))

@@ -118,9 +118,26 @@ class DiTBlock(nn.Module):
         self.attn = Attention(d, cfg.n_heads, layer, cfg.tokens_per_frame, cfg.layer_window(layer))
         self.mlp = MLP(d, 4 * d, d)
 
-    def forward(self, x, cond, rope, kv_cache, backend, window_cap):
-        x = x + self.gate1(self.attn(self.adaln1(x, cond), rope, kv_cache, backend, window_cap), cond)
+    # The block is split around the cache: the two halves are pure tensor code (what
+    # torch.compile sees), the cache read/write between them stays eager.
+    def pre_attention(self, x, cond, cos, sin):
+        return self.attn.project(self.adaln1(x, cond), cos, sin)
+
+    def post_attention(self, x, cond, q, k, v, window: int | None, backend: str):
+        x = x + self.gate1(self.attn.attend_out(q, k, v, window, backend), cond)
         return x + self.gate2(self.mlp(self.adaln2(x, cond)), cond)
+
+    def forward(self, x, cond, rope, kv_cache, backend, window_cap):
+        q, k, v = self._pre(x, cond, *rope)
+        k, v = self.attn.with_cache(k, v, kv_cache)
+        return self._post(x, cond, q, k, v, self.attn.effective_window(window_cap), backend)
+
+    _pre = pre_attention
+    _post = post_attention
+
+    def compile_halves(self, **kwargs):
+        self._pre = torch.compile(self.pre_attention, **kwargs)
+        self._post = torch.compile(self.post_attention, **kwargs)
 
 
 class Transformer(nn.Module):
@@ -143,6 +160,11 @@ class Transformer(nn.Module):
             if b not in BACKENDS:
                 raise ValueError(f"attention backend {b!r} is not one of {BACKENDS}")
         self.backend, self.decode_backend = prefill, decode
+
+    def compile(self, **kwargs):
+        """torch.compile each block's cache-free halves (state-dict names are unchanged)."""
+        for block in self.blocks:
+            block.compile_halves(**kwargs)
 
     def forward(self, x, cond, rope, kv_cache=None, window_cap=None):
         backend = self.decode_backend if self.decoding else self.backend

@@ -39,19 +39,39 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> GameRFT:
     return model
 
 
-@pytest.fixture(scope="session")
-def golden():
-    if not GOLDEN.is_file():
-        pytest.skip(f"golden file {GOLDEN} is absent (it ships in ../shared beside the repo)")
-    with safe_open(str(GOLDEN), "pt") as f:
+GOLDEN_FILES = sorted(GOLDEN.parent.glob("*.safetensors")) if GOLDEN.parent.is_dir() else []
+
+
+def _meta_value(text: str):
+    if text in ("null", "None"):
+        return None
+    if text in ("True", "true", "False", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def load_golden(path: Path) -> dict:
+    import dataclasses
+
+    with safe_open(str(path), "pt") as f:
         meta = f.metadata()
-    tensors = load_file(str(GOLDEN))
-    cfg = ModelConfig.from_mapping({
-        k: (None if meta[k] == "null" else meta[k] == "True" if meta[k] in ("True", "False") else
-            meta[k] if k == "rope_impl" else int(meta[k]))
-        for k in ("sample_size", "channels", "n_layers", "n_heads", "d_model", "tokens_per_frame", "n_frames",
-                  "local_window", "global_window", "causal", "rope_impl", "n_buttons")})
+    tensors = load_file(str(path))
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig.from_mapping({k: _meta_value(v) for k, v in meta.items() if k in fields})
     model = GameRFT(cfg).float().eval()
     model.core.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
     return {"cfg": cfg, "model": model, "t": tensors, "window": int(meta["window_frames"]),
-            "alpha": float(meta["history_alpha"])}
+            "alpha": float(meta.get("history_alpha", 0.25)), "name": path.stem}
+
+
+# Every golden file in ../shared/golden runs the parity tests (a new config's file is picked up as is).
+@pytest.fixture(scope="session", params=GOLDEN_FILES or [GOLDEN], ids=lambda p: p.stem)
+def golden(request):
+    if not request.param.is_file():
+        pytest.skip(f"golden file {request.param} is absent (it ships in ../shared beside the repo)")
+    return load_golden(request.param)

@@ -88,3 +88,22 @@ def test_static_cache_rejects_bad_writes():
         cache.update(torch.zeros(1, cfg.n_heads, cfg.tokens_per_frame, 7), torch.zeros(1, cfg.n_heads, cfg.tokens_per_frame, 7), 0)
     with pytest.raises(ValueError, match="whole frames"):
         cache.update(k[:, :, :5], v[:, :, :5], 0)
+
+
+def test_compiled_model_matches_eager_and_stops_recompiling():
+    from torch._dynamo.utils import counters
+
+    cfg = tiny_config()
+    eager, _ = rollout(cfg, "static", 8)
+    model = random_model(cfg)
+    pipe = CausvidPipeline(model, None, tiny_world(cfg), fp32_settings(compile=True), verbose=False)
+    g = torch.Generator().manual_seed(1)
+    pipe.prefill(torch.randn(5, 8, 4, 4, generator=g), torch.randn(5, 2, generator=g),
+                 (torch.rand(5, 11, generator=g) > 0.5).float())
+    outs = []
+    for i in range(8):
+        if i == 2:
+            graphs = counters["stats"]["unique_graphs"]
+        outs.append(pipe.generate(torch.randn(2, generator=g) * 3, (torch.rand(11, generator=g) > 0.7).float()))
+    assert counters["stats"]["unique_graphs"] == graphs  # steady state: no recompiles per frame
+    assert (torch.cat(outs, dim=1) - eager).abs().max() <= 1e-4

@@ -90,3 +90,48 @@ def test_default_checkpoint_loads_and_matches_its_config():
     world = load_config(ckpt / "config.yaml")
     assert model.config == world.model and not world.trained
     assert decoder.decode(torch.zeros(1, world.model.channels, 8, 8)).shape == (1, 3, 64, 64)
+
+
+ORIGINAL_YAML = """
+model:
+  model_id: game_rft
+  sample_size: 8
+  channels: 16
+  n_layers: 2
+  n_heads: 2
+  d_model: 128
+  tokens_per_frame: 64
+  n_buttons: 11
+  n_mouse_axes: 2
+  n_frames: 60
+  causal: true
+  uncond: false
+  backbone: dit
+  has_audio: false
+  rope_impl: motion
+  rope_ats_delta: 2.0
+  local_window: 8
+  global_window: null
+  cfg_prob: 0.1
+train:
+  trainer_id: causvid
+  vae_scale: 0.35
+  vae_id: dcae
+  target_batch_size: 256
+inference: {}
+"""
+
+
+def test_original_schema_loads_as_is(tmp_path):
+    from owl_wms.config import load_config
+
+    (tmp_path / "dit_v4_dmd.yml").write_text(ORIGINAL_YAML)
+    world = load_config(tmp_path / "dit_v4_dmd.yml")
+    assert world.vae_scale == 0.35 and world.model.n_layers == 2 and world.pipeline.window_frames == 60
+    save_file(random_model(world.model).core.state_dict(), str(tmp_path / "w.safetensors"))
+    model = owl_wms.from_pretrained(tmp_path / "dit_v4_dmd.yml", tmp_path / "w.safetensors")
+    assert model.core.transformer.blocks[1].attn.window == 8 and model.core.transformer.blocks[0].attn.window is None
+    from owl_wms.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no decoder.path"):
+        owl_wms.from_pretrained(tmp_path / "dit_v4_dmd.yml", tmp_path / "w.safetensors", return_decoder=True)
