@@ -1,0 +1,63 @@
+"""Episodes for training: a scripted exploring policy driving the maze simulator.
+
+The policy holds keys with persistence (mostly walking forward), moves the mouse smoothly
+(an Ornstein-Uhlenbeck process), turns away from walls it is about to hit, and now and then
+uses every other button (sprint, jump, reload, flashlight, interact, fire, zoom).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .simulator import D_, E_, F_, LMB, R_, RMB, SHIFT, SPACE, A_, S_, W_, MazeSim, SimConfig
+
+
+HELD_OUT_SEED = 1_000_000  # level seeds at or above this are never used for training
+
+
+class ExplorerPolicy:
+    # Per-frame chance to start pressing / keep holding each button.
+    START = {W_: 0.10, S_: 0.015, A_: 0.02, D_: 0.02, SHIFT: 0.02, SPACE: 0.02, R_: 0.008,
+             F_: 0.01, E_: 0.03, LMB: 0.02, RMB: 0.01}
+    HOLD = {W_: 0.95, S_: 0.8, A_: 0.8, D_: 0.8, SHIFT: 0.9, SPACE: 0.3, R_: 0.3,
+            F_: 0.2, E_: 0.3, LMB: 0.7, RMB: 0.9}
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.held = np.zeros(11, dtype=bool)
+        self.mouse = np.zeros(2)
+        self.turn = 0.0  # committed turn (mouse x) while avoiding a wall
+
+    def act(self, sim: MazeSim) -> tuple[list[float], list[int]]:
+        rng = self.rng
+        for k in range(11):
+            p = self.HOLD[k] if self.held[k] else self.START[k]
+            self.held[k] = rng.random() < p
+        if self.held[S_]:
+            self.held[W_] = False
+        self.mouse = 0.85 * self.mouse + 0.15 * rng.normal(0, [7.0, 2.0])
+        self.mouse[1] += 0.08 * sim.state.tilt / sim.cfg.tilt_per_px  # drift the view back level
+        depth = sim.depth if sim.depth is not None else np.full(sim.cfg.width, 9.0)
+        centre = depth[len(depth) // 3: 2 * len(depth) // 3].min()
+        if self.turn == 0.0 and centre < 0.9:
+            self.turn = float(rng.choice([-1, 1]) * rng.uniform(6, 12))
+        elif centre > 1.6:
+            self.turn = 0.0
+        mouse = self.mouse + np.array([self.turn, 0.0])
+        return [round(float(mouse[0]), 3), round(float(mouse[1]), 3)], self.held.astype(int).tolist()
+
+
+def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None,
+                    config: SimConfig | None = None):
+    """frames uint8 [n, H, W, 3], mouse float32 [n, 2], buttons float32 [n, 11];
+    frame i is what the simulator shows after action i."""
+    sim = MazeSim(level_seed, config)
+    sim.render()
+    policy = ExplorerPolicy(level_seed * 7 + 1 if policy_seed is None else policy_seed)
+    out = np.empty((frames, sim.cfg.height, sim.cfg.width, 3), dtype=np.uint8)
+    mouse = np.empty((frames, 2), dtype=np.float32)
+    buttons = np.empty((frames, 11), dtype=np.float32)
+    for i in range(frames):
+        m, b = policy.act(sim)
+        out[i] = sim.step(m, b)
+        mouse[i], buttons[i] = m, b
+    return out, mouse, buttons

@@ -1,0 +1,47 @@
+"""Stage 1: simulator episodes (frames + actions) for training.
+
+    python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0]
+
+One safetensors file per episode (``frames`` uint8 [n,H,W,3], ``mouse`` [n,2], ``buttons``
+[n,11]; metadata: level seed). Level seeds are ``seed + i``; held-out evaluation uses
+seeds from ``owl_wms.data.HELD_OUT_SEED`` up. Resumable: finished episodes are skipped;
+each file is written to a temporary name and renamed, so a stopped run leaves no half file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from owl_wms.data import rollout_episode
+from owl_wms.simulator import SimConfig
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="work/data")
+    p.add_argument("--episodes", type=int, default=256)
+    p.add_argument("--frames", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="first level seed")
+    p.add_argument("--size", type=int, default=64, help="frame width = height")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = SimConfig(width=args.size, height=args.size)
+    todo = [s for s in range(args.seed, args.seed + args.episodes) if not (out / f"ep_{s:06d}.safetensors").exists()]
+    for level in tqdm(todo, desc="episodes", unit="ep", initial=args.episodes - len(todo), total=args.episodes):
+        frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg)
+        final = out / f"ep_{level:06d}.safetensors"
+        tmp = final.with_suffix(".tmp")
+        save_file({"frames": torch.from_numpy(frames), "mouse": torch.from_numpy(mouse),
+                   "buttons": torch.from_numpy(buttons)}, str(tmp), metadata={"level_seed": str(level)})
+        os.replace(tmp, final)
+    print(f"{args.episodes} episodes of {args.frames} frames in {out}")
+
+
+if __name__ == "__main__":
+    main()
