@@ -67,8 +67,10 @@ class CausvidPipeline:
         self.profiler = KVProfiler(s.device, s.profile_kv_first, s.profile_kv_every) if s.profile_kv else None
         self.ground_truth = ground_truth
         self.cache = None
+        self._recompute = None  # no-cache baseline state (OWL_KV_CACHE=none)
         self.clip = None
         self.frame_index = 0
+        self.gt_step = 0
         # No-cache baseline: each frame's cache-writing input, enough frames to cover the
         # receptive field (n_layers * (W-1) + 1), since deep-layer K/V carry older context.
         self._recompute_frames = self.cfg.n_layers * (self.window - 1) + 1
@@ -190,15 +192,17 @@ class CausvidPipeline:
     def next_controls(self, mouse, buttons) -> tuple[torch.Tensor, torch.Tensor]:
         """The controls this frame uses: the player's, or the clip's recorded ones in GT mode."""
         if self.ground_truth:
-            if self.clip is None or self.gt_step >= self.clip.future_mouse.shape[0]:
-                raise IndexError(f"ground-truth replay exhausted after {self.gt_step} frames of recorded actions")
+            recorded = 0 if self.clip is None else self.clip.future_mouse.shape[0]
+            if self.gt_step >= recorded:
+                raise ValueError(f"ground-truth replay exhausted: the clip records {recorded} future actions; "
+                                 f"ask for at most {recorded} frames or restart the clip")
             return self.clip.future_mouse[self.gt_step], self.clip.future_buttons[self.gt_step]
         return as_controls(mouse, buttons)
 
     @torch.no_grad()
     def generate(self, mouse, buttons, noise: torch.Tensor | None = None) -> torch.Tensor:
         """One frame in model space: latent [1, 1, c, h, w] (not yet multiplied by vae_scale)."""
-        if self.cache is None and self.settings.kv_cache != "none":
+        if self.cache is None and self._recompute is None:
             raise RuntimeError("pipeline has no history; call load_clip() or prefill() first")
         mouse, buttons = self.next_controls(mouse, buttons)
         if self.ground_truth:

@@ -66,7 +66,7 @@ def run_headless(args) -> int:
 
     actions = load_actions(args.actions, args.frames, seed=args.seed or 0)
     writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
-    interrupted = False
+    interrupted, error = False, None
     pipe_seconds = 0.0
     try:
         pipe = build_pipeline(args)
@@ -77,15 +77,19 @@ def run_headless(args) -> int:
             writer.write(frame.numpy())
     except KeyboardInterrupt:
         interrupted = True
+    except Exception as exc:  # the video of the frames so far is still finalised and reported
+        error = exc
     finally:
         path = writer.close()
     n = writer.frames
     if n:
         total = time.perf_counter() - start
-        print(f"wrote {path} ({n} frames){' - interrupted' if interrupted else ''}; "
-              f"pipeline {n / pipe_seconds:.2f} FPS, total {n / total:.2f} FPS")
-    else:
-        print("interrupted before the first frame; no video written")
+        stopped = " - interrupted" if interrupted else " - stopped by an error" if error else ""
+        print(f"wrote {path} ({n} frames){stopped}; pipeline {n / pipe_seconds:.2f} FPS, total {n / total:.2f} FPS")
+    elif interrupted or error:
+        print("stopped before the first frame; no video written")
+    if error is not None:
+        raise error
     return 130 if interrupted else 0
 
 

@@ -18,13 +18,14 @@ class SinCos(nn.Module):
 
     def __init__(self, dim: int, theta: float = 300.0, mult: float = 1000.0):
         super().__init__()
-        half = dim // 2
-        self.mult = mult
-        self.register_buffer("freqs", torch.exp(-torch.arange(half, dtype=torch.float32) * math.log(theta) / (half - 1)),
-                             persistent=False)
+        self.half, self.theta, self.mult = dim // 2, theta, mult
 
     def forward(self, x):
-        arg = (x.float() * self.mult)[..., None] * self.freqs
+        # Frequencies are built in float32 on every call (no buffer), so casting the model to
+        # bf16 cannot round them.
+        k = torch.arange(self.half, device=x.device, dtype=torch.float32)
+        freqs = torch.exp(-k * math.log(self.theta) / (self.half - 1))
+        arg = (x.float() * self.mult)[..., None] * freqs
         return torch.cat([arg.sin(), arg.cos()], dim=-1)
 
 

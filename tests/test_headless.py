@@ -117,3 +117,16 @@ def test_ground_truth_replays_clip_actions_and_restart_repeats():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     pipe.load_clip(1)
     assert pipe.clip.name == "clip_01" and pipe.gt_step == 0
+
+
+def test_ground_truth_exhaustion_is_a_clear_error_and_keeps_the_video(tmp_path):
+    from owl_wms.clips import Clip, load_clip
+
+    src = load_clip(REPO / "checkpoints" / "untrained-tiny" / "clips" / "clip_00.safetensors", 16, 8)
+    n = src.history_frames + 3
+    Clip(src.latents, src.mouse[:n], src.buttons[:n], src.history_frames).save(tmp_path / "short.safetensors")
+    out = tmp_path / "gt.mp4"
+    r = run("--headless", "--ground-truth", "--clip", str(tmp_path / "short.safetensors"), "--frames", "5",
+            "--out", str(out))
+    assert r.returncode == 2 and "records 3 future actions" in r.stderr and "Traceback" not in r.stderr
+    assert "(3 frames) - stopped by an error" in r.stdout and count_frames(out) == 3
