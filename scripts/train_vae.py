@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from owl_wms.training import warmup_cosine
 from owl_wms.training.vae import build_autoencoder, load_frames, psnr, to_unit, vae_loss
 
 
@@ -44,7 +45,7 @@ def main(argv=None):
     ae = build_autoencoder(args.channels, args.width).to(args.device, memory_format=torch.channels_last)
     device_type = torch.device(args.device).type
     opt = torch.optim.AdamW(ae.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 20)))
     gen = torch.Generator().manual_seed(args.seed)
     step, state_path = 0, out / "train_state.pt"
     if state_path.exists():

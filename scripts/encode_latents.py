@@ -1,0 +1,59 @@
+"""Stage 3: encode every episode with the trained autoencoder; measure vae_scale.
+
+    python -m scripts.encode_latents --data work/data --vae work/vae/final --out work/latents
+
+Writes ``<out>/ep_*.safetensors`` (raw latents [n, c, 8, 8] + the episode's actions) and
+``<out>/stats.json`` with ``vae_scale`` = the latents' standard deviation, so latents divided
+by it have unit variance. Resumable: encoded episodes are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from owl_wms.training.vae import to_unit
+from owl_wms.vae import FrameDecoder, autoencoder_class
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="work/data")
+    p.add_argument("--vae", default="work/vae/final")
+    p.add_argument("--vae-class", default="AutoencoderTiny")
+    p.add_argument("--out", default="work/latents")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    ae = autoencoder_class(args.vae_class).from_pretrained(args.vae, local_files_only=True).to(args.device).eval()
+    coder = FrameDecoder(ae, ae.config.latent_channels)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    episodes = sorted(Path(args.data).glob("ep_*.safetensors"))
+    if not episodes:
+        raise SystemExit(f"error: no episodes in {args.data}; run scripts.generate_data first")
+    for ep in tqdm(episodes, desc="encode", unit="ep"):
+        final = out / ep.name
+        if final.exists():
+            continue
+        with safe_open(str(ep), "pt") as f:
+            meta = f.metadata()
+        t = load_file(str(ep))
+        frames = to_unit(t["frames"].permute(0, 3, 1, 2))
+        lat = torch.cat([coder.encode(c.to(args.device)).cpu() for c in frames.split(256)])
+        tmp = final.with_suffix(".tmp")
+        save_file({"latents": lat.contiguous(), "mouse": t["mouse"], "buttons": t["buttons"]}, str(tmp), metadata=meta)
+        os.replace(tmp, final)
+    sample = torch.cat([load_file(str(p))["latents"] for p in sorted(out.glob("ep_*.safetensors"))[:64]])
+    stats = {"vae_scale": float(sample.std()), "mean": float(sample.mean()), "channels": int(sample.shape[1])}
+    (out / "stats.json").write_text(json.dumps(stats, indent=2))
+    print(f"encoded {len(episodes)} episodes; vae_scale={stats['vae_scale']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Stage 4: train GameRFT on encoded episodes (rectified flow + diffusion forcing).
+
+    python -m scripts.train_world --config configs/maze_world.yaml --latents work/latents --out work/world
+
+Resumable (weights, EMA, optimizer, step and RNG every --save-every steps). Mixed precision
+(bf16 autocast) by default. The EMA weights are what the export stage ships.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from owl_wms.config import load_config
+from owl_wms.model import GameRFT
+from owl_wms.training import warmup_cosine
+from owl_wms.training.world import LatentEpisodes, flow_loss, sample_times
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/maze_world.yaml")
+    p.add_argument("--latents", default="work/latents")
+    p.add_argument("--out", default="work/world")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--frames", type=int, default=None, help="clip length (default: the pipeline window)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--ema", type=float, default=0.995)
+    p.add_argument("--pipeline-frac", type=float, default=0.5, help="share of pipeline-shaped noise samples")
+    p.add_argument("--save-every", type=int, default=250)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--fp32", action="store_true")
+    args = p.parse_args(argv)
+
+    world = load_config(args.config)
+    stats = json.loads((Path(args.latents) / "stats.json").read_text())
+    frames = args.frames or world.pipeline.window_frames
+    data = LatentEpisodes(args.latents, stats["vae_scale"], frames)
+    torch.manual_seed(args.seed)
+    model = GameRFT(world.model).to(args.device)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 50)))
+    gen = torch.Generator().manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path, step = out / "train_state.pt", 0
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=True)
+        model.load_state_dict(st["model"])
+        ema.load_state_dict(st["ema"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        gen.set_state(st["gen"])
+        step = int(st["step"])
+        print(f"resumed at step {step}")
+    device_type = torch.device(args.device).type
+    t0, losses = time.time(), []
+    bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
+    while step < args.steps:
+        x, m, b = data.batch(args.batch, gen)
+        t = sample_times(x.shape[0], x.shape[1], gen, args.pipeline_frac, world.pipeline.history_alpha,
+                         world.pipeline.schedule)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=not args.fp32):
+            loss = flow_loss(model.core, x.to(args.device), m.to(args.device), b.to(args.device), t, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            for pe, pm in zip(ema.parameters(), model.parameters()):
+                pe.lerp_(pm, 1 - args.ema)
+        step += 1
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
+        if step % args.save_every == 0 or step == args.steps:
+            torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "gen": gen.get_state(), "step": step}, state_path)
+    bar.close()
+    torch.save(ema.core.state_dict(), out / "ema_core.pt")
+    (out / "train_metrics.json").write_text(json.dumps({
+        "steps": args.steps, "batch": args.batch, "frames": frames, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+        "seconds_this_run": time.time() - t0, "vae_scale": stats["vae_scale"]}, indent=2))
+    print(f"trained {args.steps} steps; EMA weights -> {out / 'ema_core.pt'}")
+
+
+if __name__ == "__main__":
+    main()
