@@ -1,7 +1,10 @@
 """Action scripts for rollouts: built-in names and a JSON-lines file format.
 
-File format: one JSON object per line, ``{"mouse": [dx, dy], "buttons": [11 ints]}``,
-buttons in the order W A S D LSHIFT SPACE R F E LMB RMB. Blank lines are skipped.
+File format: one JSON object per line. A frame: ``{"mouse": [dx, dy], "buttons": [11 ints]}``,
+buttons in the order W A S D LSHIFT SPACE R F E LMB RMB. A play session may also record
+pipeline events between frames, replayed in order: ``{"event": "restart"}``,
+``{"event": "clip", "clip": 1}``, ``{"event": "world_seed", "seed": 7}``,
+``{"event": "ground_truth", "on": true}``. Blank lines are skipped.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from .causvid_pipeline import BUTTONS
 
 Action = tuple[list[float], list[int]]
 BUILTIN = ("idle", "forward", "turn", "walk_turn", "random")
+EVENTS = {"restart": (), "clip": ("clip",), "world_seed": ("seed",), "ground_truth": ("on",)}
 
 
 def _press(*names: str) -> list[int]:
@@ -42,7 +46,14 @@ def _builtin(name: str, n: int, seed: int) -> list[Action]:
     return out
 
 
-def parse_action(obj, where: str) -> Action:
+def parse_action(obj, where: str):
+    """A frame as (mouse, buttons), or an event as a dict with its ``event`` name."""
+    if isinstance(obj, dict) and "event" in obj:
+        name = obj["event"]
+        if name not in EVENTS or set(obj) - {"event", *EVENTS[name]} or set(EVENTS[name]) - set(obj):
+            raise ValueError(f"{where}: unknown or malformed event {obj!r}; events: "
+                             + ", ".join(f"{k}({', '.join(v)})" for k, v in EVENTS.items()))
+        return dict(obj)
     if not isinstance(obj, dict) or "mouse" not in obj or "buttons" not in obj:
         raise ValueError(f"{where}: expected {{\"mouse\": [dx, dy], \"buttons\": [11 ints]}}, got {obj!r}")
     mouse, buttons = obj["mouse"], obj["buttons"]
@@ -55,9 +66,13 @@ def parse_action(obj, where: str) -> Action:
     return [float(v) for v in mouse], [int(v) for v in buttons]
 
 
-def read_action_file(path: str | Path) -> list[Action]:
+def is_event(item) -> bool:
+    return isinstance(item, dict)
+
+
+def read_action_file(path: str | Path) -> list:
     path = Path(path)
-    actions = []
+    items = []
     for i, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -65,18 +80,40 @@ def read_action_file(path: str | Path) -> list[Action]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-        actions.append(parse_action(obj, f"{path}:{i}"))
-    if not actions:
-        raise ValueError(f"action file {str(path)!r} holds no actions")
-    return actions
+        items.append(parse_action(obj, f"{path}:{i}"))
+    if not any(not is_event(x) for x in items):
+        raise ValueError(f"action file {str(path)!r} holds no frames")
+    return items
 
 
-def write_action_file(path: str | Path, actions: list[Action]):
-    Path(path).write_text("".join(json.dumps({"mouse": m, "buttons": b}) + "\n" for m, b in actions))
+def action_line(item) -> str:
+    if is_event(item):
+        return json.dumps(item) + "\n"
+    mouse, buttons = item
+    return json.dumps({"mouse": [float(v) for v in mouse], "buttons": [int(v) for v in buttons]}) + "\n"
 
 
-def load_actions(spec: str, frames: int | None, seed: int = 0) -> list[Action]:
-    """``spec``: a built-in name (``random`` or ``random:SEED``) or a JSON-lines file."""
+def write_action_file(path: str | Path, items: list):
+    Path(path).write_text("".join(action_line(x) for x in items))
+
+
+def apply_event(pipe, event: dict):
+    """Carry out a recorded pipeline event (between frames)."""
+    name = event["event"]
+    if name == "restart":
+        pipe.restart_from_buffer()
+    elif name == "clip":
+        pipe.load_clip(int(event["clip"]))
+    elif name == "world_seed":
+        pipe.load_world(int(event["seed"]))
+    elif name == "ground_truth":
+        pipe.ground_truth = bool(event["on"])
+        pipe.gt_step = 0 if pipe.ground_truth else pipe.gt_step
+
+
+def load_actions(spec: str, frames: int | None, seed: int = 0) -> list:
+    """``spec``: a built-in name (``random`` or ``random:SEED``) or a JSON-lines file.
+    Returns frames and (for files) events, cut after ``frames`` frames."""
     name, _, arg = spec.partition(":")
     if name in BUILTIN:
         if arg and (name != "random" or not arg.isdigit()):
@@ -86,8 +123,17 @@ def load_actions(spec: str, frames: int | None, seed: int = 0) -> list[Action]:
     if not path.is_file():
         raise ValueError(f"--actions {spec!r} is neither a built-in script ({', '.join(BUILTIN)}) "
                          "nor an existing JSON-lines file")
-    actions = read_action_file(path)
-    if frames is not None and frames > len(actions):
-        raise ValueError(f"action file {spec!r} has {len(actions)} actions but {frames} frames were asked; "
-                         f"pass --frames {len(actions)} or fewer")
-    return actions[:frames] if frames else actions
+    items = read_action_file(path)
+    n = sum(not is_event(x) for x in items)
+    if frames is None:
+        return items
+    if frames > n:
+        raise ValueError(f"action file {spec!r} has {n} frames of actions but {frames} frames were asked; "
+                         f"pass --frames {n} or fewer")
+    out, count = [], 0
+    for item in items:
+        if count == frames:
+            break
+        out.append(item)
+        count += not is_event(item)
+    return out

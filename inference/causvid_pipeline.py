@@ -122,6 +122,30 @@ class CausvidPipeline:
         self.restart_from_buffer()
         return clip
 
+    def load_world(self, seed: int, future: int = 1000):
+        """Start from a fresh simulator level: render a history window with the exploring
+        policy, encode it with the autoencoder, and keep ``future`` policy actions for
+        ground-truth replay."""
+        from owl_wms.data import rollout_episode
+        from owl_wms.simulator import SimConfig
+
+        if self.decoder is None:
+            raise RuntimeError("starting from a simulator level needs the autoencoder (no decoder loaded)")
+        size = self.frame_shape[0]
+        frames, mouse, buttons = rollout_episode(seed, self.window + future, config=SimConfig(width=size, height=size))
+        images = torch.from_numpy(frames[: self.window]).permute(0, 3, 1, 2).float() / 127.5 - 1
+        latents = self.decoder.encode(images.to(self.device)).cpu()
+        clip = Clip(latents, torch.from_numpy(mouse), torch.from_numpy(buttons), self.window, name=f"world-{seed}")
+        return self.load_clip(clip)
+
+    @property
+    def frame_shape(self) -> tuple[int, int]:
+        """(H, W) of decoded frames."""
+        if not hasattr(self, "_frame_shape"):
+            c, s = self.cfg.channels, self.cfg.sample_size
+            self._frame_shape = tuple(self.decode(torch.zeros(1, 1, c, s, s)).shape[:2])
+        return self._frame_shape
+
     def restart_from_buffer(self):
         """Rebuild the cache from the current clip's history; the noise seed restarts too."""
         if self.clip is None:

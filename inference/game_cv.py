@@ -16,7 +16,7 @@ from owl_wms.config import ConfigError, load_config
 from owl_wms.loading import CheckpointError
 from owl_wms.settings import Settings, SettingsError
 
-from .actions import BUILTIN, load_actions
+from .actions import BUILTIN, apply_event, is_event, load_actions
 from .causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from .video import Mp4Writer, OutputPathError
 
@@ -30,6 +30,8 @@ def parse_args(argv=None):
                    help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
     p.add_argument("--ckpt", default=None, help="weights file (default: model.safetensors beside the config)")
     p.add_argument("--clip", default="0", help="index of a shipped clip, or a clip .safetensors path")
+    p.add_argument("--world-seed", type=int, default=None,
+                   help="start from a fresh simulator level: render and encode a history window")
     p.add_argument("--ground-truth", action="store_true", help="replay the clip's recorded future actions")
     p.add_argument("--seed", type=int, default=None, help="noise seed (overrides OWL_SEED)")
     p.add_argument("--headless", action="store_true", help="render to an mp4 instead of opening a window")
@@ -39,6 +41,16 @@ def parse_args(argv=None):
                    help=f"built-in script ({', '.join(BUILTIN)}; 'random:SEED') or a JSON-lines action file")
     p.add_argument("--fps", type=float, default=15.0, help="frame rate written into the video")
     p.add_argument("--scale", type=int, default=4, help="integer upscaling of the video / window")
+    play = p.add_argument_group("play (window) options")
+    play.add_argument("--target-fps", type=float, default=60.0, help="window refresh rate (frame pacing)")
+    play.add_argument("--smooth", action="store_true", help="smooth scaling instead of integer (nearest)")
+    play.add_argument("--sensitivity", type=float, default=None, help="mouse sensitivity (config controls.sensitivity)")
+    play.add_argument("--no-overlay", action="store_true", help="start with the overlay hidden (F1 toggles)")
+    play.add_argument("--record", default=None, help="record what is shown to this mp4 from the start (F9 toggles)")
+    play.add_argument("--record-dir", default=".", help="folder for F9 recordings and F12 screenshots")
+    play.add_argument("--save-actions", default=None, help="write every frame's actions (and events) as JSON lines")
+    play.add_argument("--replay", default=None, help="play an action file in the window instead of live input")
+    play.add_argument("--max-frames", type=int, default=None, help="quit after this many frames (automation)")
     args = p.parse_args(argv)
     if args.frames is not None and args.frames < 1:
         p.error(f"--frames {args.frames}: must be >= 1")
@@ -53,10 +65,12 @@ def build_pipeline(args) -> CausvidPipeline:
     settings = Settings.resolve(load_config(cfg_path).inference)
     if args.seed is not None:
         settings = settings.replace(seed=args.seed)
-    clip = int(args.clip) if args.clip.isdigit() else None
+    clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
     pipe = CausvidPipeline.from_checkpoint(checkpoint, args.ckpt, settings=settings, clip=clip,
                                            ground_truth=args.ground_truth)
-    if clip is None:
+    if args.world_seed is not None:
+        pipe.load_world(args.world_seed)
+    elif clip is None:
         pipe.load_clip(load_clip(args.clip, pipe.cfg.channels, pipe.cfg.sample_size))
     return pipe
 
@@ -64,17 +78,23 @@ def build_pipeline(args) -> CausvidPipeline:
 def run_headless(args) -> int:
     from tqdm import tqdm
 
-    actions = load_actions(args.actions, args.frames, seed=args.seed or 0)
+    items = load_actions(args.actions, args.frames, seed=args.seed or 0)
     writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
     interrupted, error = False, None
     pipe_seconds = 0.0
     try:
         pipe = build_pipeline(args)
         start = time.perf_counter()
-        for mouse, buttons in tqdm(actions, desc="rollout", unit="frame"):
-            frame, secs = pipe(mouse, buttons)
+        bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
+        for item in items:
+            if is_event(item):
+                apply_event(pipe, item)
+                continue
+            frame, secs = pipe(*item)
             pipe_seconds += secs
             writer.write(frame.numpy())
+            bar.update(1)
+        bar.close()
     except KeyboardInterrupt:
         interrupted = True
     except Exception as exc:  # the video of the frames so far is still finalised and reported
@@ -100,13 +120,14 @@ def no_display_message() -> str:
             "(e.g. SDL_VIDEODRIVER=dummy for a window-less test run).")
 
 
-def run_play(args, max_frames: int | None = None) -> int:
-    from .play import play
-
+def run_play(args) -> int:
     if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER")):
         print(no_display_message(), file=sys.stderr)
         return 2
-    return play(build_pipeline(args), scale=args.scale, max_frames=max_frames)
+    from .play import Game, PlayOptions
+
+    options = PlayOptions.from_args(args)  # output paths are checked here, before the model loads
+    return Game(lambda: build_pipeline(args), options).run()
 
 
 def main(argv=None) -> int:

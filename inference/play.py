@@ -1,67 +1,456 @@
-"""A minimal pygame window: scaled frames, relative mouse, keys -> the 11 buttons, Esc quits,
-F5 restarts the clip. Held keys are tracked from KEYDOWN/KEYUP events."""
+"""Play the world model in a pygame window.
+
+Generation runs on a worker thread, so the window keeps handling input and drawing while a
+frame is dreamt; the worker reads the controls held at the moment each frame starts and
+carries out control-key commands only between frames. F-keys never collide with the 11
+game buttons:
+
+  Esc quit   F1 overlay   F2 pause   F3 step one frame (paused)   F4 ground-truth replay
+  F5 restart clip   F6 next clip   F7 new simulator level   F8 mouse grab
+  F9 record   F10 / F11 mouse sensitivity down / up   F12 screenshot
+"""
 from __future__ import annotations
 
-import pygame
+import collections
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from .causvid_pipeline import CausvidPipeline
+import numpy as np
 
-KEYS = {pygame.K_w: 0, pygame.K_a: 1, pygame.K_s: 2, pygame.K_d: 3, pygame.K_LSHIFT: 4, pygame.K_SPACE: 5,
-        pygame.K_r: 6, pygame.K_f: 7, pygame.K_e: 8}
-MOUSE_BUTTONS = {1: 9, 3: 10}  # left -> LMB, right -> RMB
+os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # keep the start-up output to our own line
+import pygame  # noqa: E402
+
+from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
+from .causvid_pipeline import BUTTONS, CausvidPipeline  # noqa: E402
+from .video import Mp4Writer, OutputPathError, check_output_path  # noqa: E402
+
+DEFAULT_BINDINGS = {"W": "w", "A": "a", "S": "s", "D": "d", "LSHIFT": "left shift", "SPACE": "space",
+                    "R": "r", "F": "f", "E": "e", "LMB": "mouse1", "RMB": "mouse3"}
+CONTROL_KEYS = {pygame.K_ESCAPE: "quit", pygame.K_F1: "overlay", pygame.K_F2: "pause", pygame.K_F3: "step",
+                pygame.K_F4: "ground_truth", pygame.K_F5: "restart", pygame.K_F6: "next_clip",
+                pygame.K_F7: "new_level", pygame.K_F8: "grab", pygame.K_F9: "record",
+                pygame.K_F10: "sensitivity_down", pygame.K_F11: "sensitivity_up", pygame.K_F12: "screenshot"}
+
+
+def parse_bindings(bindings: dict | None) -> tuple[dict[int, int], dict[int, int]]:
+    """Config ``controls.bindings`` (button name -> pygame key name or ``mouseN``) over the
+    defaults -> (key code -> button index, mouse button -> button index)."""
+    pygame.display.init()  # key names resolve only once pygame's video is initialised (idempotent)
+    bindings = dict(bindings or {})
+    unknown = set(bindings) - set(DEFAULT_BINDINGS)
+    if unknown:
+        raise ValueError(f"controls.bindings has unknown buttons {sorted(unknown)}; the buttons are {list(BUTTONS)}")
+    keys, mouse = {}, {}
+    for button, name in {**DEFAULT_BINDINGS, **bindings}.items():
+        index = BUTTONS.index(button)
+        name = str(name).strip().lower()
+        if name.startswith("mouse") and name[5:].isdigit():
+            table, code = mouse, int(name[5:])
+        else:
+            try:
+                table, code = keys, pygame.key.key_code(name)
+            except ValueError:
+                raise ValueError(f"controls.bindings.{button}={name!r} is not a pygame key name "
+                                 "(examples: 'w', 'left shift', 'space', 'mouse1')") from None
+            if code in CONTROL_KEYS:
+                raise ValueError(f"controls.bindings.{button}={name!r} collides with the control key "
+                                 f"for {CONTROL_KEYS[code]!r}; F-keys and Esc are reserved")
+        if code in table:
+            raise ValueError(f"controls.bindings: {name!r} is bound to both {BUTTONS[table[code]]} and {button}")
+        table[code] = index
+    return keys, mouse
 
 
 class Controls:
-    def __init__(self, sensitivity: float = 1.0):
-        self.buttons = [0] * 11
+    """What the player holds, shared between the event loop and the worker thread."""
+
+    def __init__(self, keys: dict[int, int], mouse: dict[int, int], sensitivity: float = 1.0):
+        self.keys, self.mouse_buttons, self.sensitivity = keys, mouse, sensitivity
+        self.buttons = [0] * len(BUTTONS)
         self.dx = self.dy = 0.0
-        self.sensitivity = sensitivity
+        self.grabbed = False
+        self._lock = threading.Lock()
 
     def handle(self, event) -> None:
-        if event.type in (pygame.KEYDOWN, pygame.KEYUP) and event.key in KEYS:
-            self.buttons[KEYS[event.key]] = int(event.type == pygame.KEYDOWN)
-        elif event.type in (pygame.MOUSEBUTTONDOWN, pygame.MOUSEBUTTONUP) and event.button in MOUSE_BUTTONS:
-            self.buttons[MOUSE_BUTTONS[event.button]] = int(event.type == pygame.MOUSEBUTTONDOWN)
-        elif event.type == pygame.MOUSEMOTION:
-            self.dx += event.rel[0]
-            self.dy += event.rel[1]
+        with self._lock:
+            if event.type in (pygame.KEYDOWN, pygame.KEYUP) and event.key in self.keys:
+                self.buttons[self.keys[event.key]] = int(event.type == pygame.KEYDOWN)
+            elif event.type in (pygame.MOUSEBUTTONDOWN, pygame.MOUSEBUTTONUP) and event.button in self.mouse_buttons:
+                self.buttons[self.mouse_buttons[event.button]] = int(event.type == pygame.MOUSEBUTTONDOWN)
+            elif event.type == pygame.MOUSEMOTION and self.grabbed:
+                self.dx += event.rel[0]
+                self.dy += event.rel[1]
 
-    def take(self):
-        """Controls for the frame about to start; mouse motion is consumed."""
-        mouse = [self.dx * self.sensitivity, self.dy * self.sensitivity]
-        self.dx = self.dy = 0.0
-        return mouse, list(self.buttons)
+    def release_all(self):
+        with self._lock:
+            self.buttons = [0] * len(BUTTONS)
+            self.dx = self.dy = 0.0
+
+    def held(self) -> list[int]:
+        with self._lock:
+            return list(self.buttons)
+
+    def take(self) -> tuple[list[float], list[int]]:
+        """The controls for the frame that starts now; mouse motion is consumed and scaled."""
+        with self._lock:
+            mouse = [round(self.dx * self.sensitivity, 4), round(self.dy * self.sensitivity, 4)]
+            self.dx = self.dy = 0.0
+            return mouse, list(self.buttons)
 
 
-def play(pipe: CausvidPipeline, scale: int = 4, max_frames: int | None = None) -> int:
-    pygame.init()
-    try:
-        first, _ = pipe([0.0, 0.0], [0] * 11)
-        h, w = first.shape[:2]
-        screen = pygame.display.set_mode((w * scale, h * scale))
-    except pygame.error as exc:
+@dataclass
+class FrameResult:
+    frame: np.ndarray
+    index: int
+    denoise_ms: float
+    decode_ms: float
+    mouse: list
+    buttons: list
+
+
+class Worker(threading.Thread):
+    """Generates frames; applies commands between frames; logs what the pipeline got."""
+
+    def __init__(self, source, controls: Controls, replay: list | None = None,
+                 actions_file=None, max_frames: int | None = None):
+        """``source``: a pipeline, or a function that builds one. Building it here, on the
+        thread that generates, matters on CPU: torch's OpenMP pool belongs to the thread that
+        first ran ops, and generating from another thread measured ~2x slower."""
+        super().__init__(daemon=True, name="owl-generate")
+        self.pipe = source if isinstance(source, CausvidPipeline) else None
+        self._factory = None if self.pipe is not None else source
+        self.ready = threading.Event()
+        self.controls, self.actions_file, self.max_frames = controls, actions_file, max_frames
+        self.replay = iter(replay) if replay is not None else None
+        self.commands: queue.Queue = queue.Queue()
+        self.results: queue.Queue = queue.Queue(maxsize=2)
+        self.paused, self.finished = False, False
+        self._step = threading.Event()
+        self._halt = threading.Event()
+        self.error: BaseException | None = None
+        self.frames = 0
+
+    def stop(self):
+        self._halt.set()
+
+    def step_once(self):
+        self._step.set()
+
+    def _log(self, item):
+        if self.actions_file is not None:
+            self.actions_file.write(action_line(item))
+            self.actions_file.flush()  # a killed session still leaves every finished line
+
+    def _event(self, event: dict):
+        apply_event(self.pipe, event)
+        self._log(event)
+
+    def _next_controls(self):
+        if self.replay is None:
+            return self.controls.take()
+        for item in self.replay:
+            if not is_event(item):
+                return item
+            self._event(item)
+        return None
+
+    def run(self):
+        try:
+            if self.pipe is None:
+                self.pipe = self._factory()
+            self.pipe.frame_shape  # decoded once here, so the UI thread never runs torch
+            self.ready.set()
+            while not self._halt.is_set():
+                while not self.commands.empty():
+                    self._event(self.commands.get())
+                done = self.finished or (self.max_frames is not None and self.frames >= self.max_frames)
+                if done or (self.paused and not self._step.is_set()):
+                    time.sleep(0.005)
+                    continue
+                self._step.clear()
+                controls = self._next_controls()
+                if controls is None:
+                    self.finished = True
+                    continue
+                t0 = time.perf_counter()
+                latent = self.pipe.generate(*controls)
+                t1 = time.perf_counter()
+                frame = self.pipe.decode(latent).numpy()
+                t2 = time.perf_counter()
+                self._log(controls)
+                self.frames += 1
+                result = FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls)
+                while not self._halt.is_set():
+                    try:
+                        self.results.put(result, timeout=0.05)
+                        break
+                    except queue.Full:
+                        pass
+        except BaseException as exc:  # surfaced by the event loop
+            self.error = exc
+
+
+@dataclass
+class PlayOptions:
+    scale: int = 4
+    smooth: bool = False
+    target_fps: float = 60.0
+    video_fps: float = 15.0
+    sensitivity: float | None = None
+    overlay: bool = True
+    record: Path | None = None
+    record_dir: Path = Path(".")
+    save_actions: Path | None = None
+    replay: list | None = None
+    max_frames: int | None = None
+    world_seed: int | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "PlayOptions":
+        record_dir = Path(args.record_dir)
+        if not record_dir.is_dir():
+            raise OutputPathError(f"--record-dir {str(record_dir)!r} does not exist; create it or choose another")
+        if args.record:
+            check_output_path(args.record)
+        if args.save_actions:
+            check_output_path(args.save_actions, suffix=Path(args.save_actions).suffix or ".jsonl")
+        return cls(scale=args.scale, smooth=args.smooth, target_fps=args.target_fps, video_fps=args.fps,
+                   sensitivity=args.sensitivity, overlay=not args.no_overlay,
+                   record=Path(args.record) if args.record else None, record_dir=record_dir,
+                   save_actions=Path(args.save_actions) if args.save_actions else None,
+                   replay=read_action_file(args.replay) if args.replay else None,
+                   max_frames=args.max_frames, world_seed=args.world_seed)
+
+
+class Game:
+    def __init__(self, source, options: PlayOptions | None = None):
+        """``source``: a ``CausvidPipeline`` or a function building one on the worker thread."""
+        self.source, self.opt = source, options or PlayOptions()
+        self.pipe: CausvidPipeline | None = None
+        self.controls = Controls(*parse_bindings(None))
+        self.overlay = self.opt.overlay
+        self.writer: Mp4Writer | None = None
+        self.recordings: list[Path] = []
+        self.screenshots: list[Path] = []
+        self.frame: np.ndarray | None = None
+        self.last: FrameResult | None = None
+        self.frames_shown = 0
+        self.draw_ms = collections.deque(maxlen=30)
+        self.pipe_ms = collections.deque(maxlen=30)
+        self.pipe_ms_total: list[float] = []
+        self.clip_index = 0
+        self.world_seed = self.opt.world_seed
+        self._screenshot = False
+
+    # -- input ---------------------------------------------------------------------------------
+    def set_grab(self, on: bool):
+        self.controls.grabbed = on
+        pygame.event.set_grab(on)
+        pygame.mouse.set_visible(not on)
+        if on:
+            pygame.mouse.get_rel()  # drop the jump accumulated while released
+
+    def handle(self, event) -> bool:
+        """Returns False when the game should quit."""
+        if event.type == pygame.QUIT:
+            return False
+        if event.type in (pygame.WINDOWFOCUSLOST,):
+            self.set_grab(False)
+            self.controls.release_all()  # no key stays stuck while the window is away
+            return True
+        if event.type == pygame.MOUSEBUTTONDOWN and not self.controls.grabbed and self.opt.replay is None:
+            self.set_grab(True)
+        if event.type == pygame.KEYDOWN and event.key in CONTROL_KEYS:
+            return self.command(CONTROL_KEYS[event.key])
+        if self.opt.replay is None:
+            self.controls.handle(event)
+        return True
+
+    def command(self, name: str) -> bool:
+        w = self.worker
+        if name == "quit":
+            return False
+        if name == "overlay":
+            self.overlay = not self.overlay
+        elif name == "pause":
+            w.paused = not w.paused
+        elif name == "step":
+            w.step_once()
+        elif name == "ground_truth":
+            w.commands.put({"event": "ground_truth", "on": not self.pipe.ground_truth})
+        elif name == "restart":
+            w.commands.put({"event": "restart"})
+        elif name == "next_clip":
+            n = max(1, len(self.pipe.clip_paths))
+            self.clip_index = (self.clip_index + 1) % n
+            w.commands.put({"event": "clip", "clip": self.clip_index})
+        elif name == "new_level":
+            self.world_seed = (self.world_seed if self.world_seed is not None else -1) + 1
+            w.commands.put({"event": "world_seed", "seed": self.world_seed})
+        elif name == "grab":
+            self.set_grab(not self.controls.grabbed)
+        elif name == "record":
+            self.toggle_recording()
+        elif name in ("sensitivity_down", "sensitivity_up"):
+            factor = 1.25 if name == "sensitivity_up" else 0.8
+            self.controls.sensitivity = round(self.controls.sensitivity * factor, 4)
+        elif name == "screenshot":
+            self._screenshot = True
+        return True
+
+    # -- output --------------------------------------------------------------------------------
+    def toggle_recording(self, path: Path | None = None):
+        if self.writer is not None:
+            self.recordings.append(self.writer.close() or self.writer.path)
+            self.writer = None
+            return
+        path = path or self.opt.record_dir / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
+        self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale)
+
+    def on_frame(self, r: FrameResult):
+        self.frame, self.last = r.frame, r
+        self.frames_shown += 1
+        self.pipe_ms.append(r.denoise_ms + r.decode_ms)
+        self.pipe_ms_total.append(r.denoise_ms + r.decode_ms)
+        if self.writer is not None:
+            self.writer.write(r.frame)  # the game view as shown, at --scale, without the HUD
+
+    def draw(self):
+        t0 = time.perf_counter()
+        size = self.screen.get_size()
+        if self.frame is not None:
+            surf = pygame.surfarray.make_surface(np.ascontiguousarray(self.frame.swapaxes(0, 1)))
+            scale = pygame.transform.smoothscale if self.opt.smooth else pygame.transform.scale
+            self.screen.blit(scale(surf, size), (0, 0))
+        if self.overlay:
+            self.draw_overlay()
+        if self.writer is not None:
+            pygame.draw.circle(self.screen, (230, 30, 30), (size[0] - 14, 14), 7)
+        pygame.display.flip()
+        if self._screenshot:
+            self._screenshot = False
+            path = self.opt.record_dir / f"screenshot_{self.frames_shown:06d}.png"
+            pygame.image.save(self.screen, str(path))
+            self.screenshots.append(path)
+        self.draw_ms.append((time.perf_counter() - t0) * 1000)
+
+    def overlay_lines(self) -> list[str]:
+        mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
+        r = self.last
+        held = [b for b, on in zip(BUTTONS, self.controls.held()) if on]
+        state = "PAUSED" if self.worker.paused else ("GT replay" if self.pipe.ground_truth else "live")
+        return [
+            f"FPS {self.clock.get_fps():5.1f}  pipeline {1000 / mean(self.pipe_ms) if self.pipe_ms else 0:5.1f}",
+            f"denoise {r.denoise_ms if r else 0:5.1f} ms  decode {r.decode_ms if r else 0:4.1f} ms  "
+            f"draw {mean(self.draw_ms):4.1f} ms",
+            f"kv {self.pipe.settings.kv_cache} {self.pipe.kv_bytes / 2**20:.1f} MiB  frame {r.index if r else 0}  {state}",
+            f"mouse {r.mouse if r else [0, 0]} sens {self.controls.sensitivity:g}",
+            "held " + (" ".join(held) or "-"),
+        ]
+
+    def draw_overlay(self):
+        lines = [self.font.render(t, True, (240, 240, 240)) for t in self.overlay_lines()]
+        h = sum(s.get_height() for s in lines) + 8
+        w = max(s.get_width() for s in lines) + 12
+        box = pygame.Surface((w, h), pygame.SRCALPHA)
+        box.fill((0, 0, 0, 150))
+        self.screen.blit(box, (4, 4))
+        y = 8
+        for s in lines:
+            self.screen.blit(s, (10, y))
+            y += s.get_height()
+
+    # -- main loop -----------------------------------------------------------------------------
+    def open_window(self) -> bool:
         from .game_cv import no_display_message
 
-        print(no_display_message() + f"\n  (SDL said: {exc})")
-        pygame.quit()
-        return 2
-    pygame.display.set_caption(f"{pipe.world.name} - kv {pipe.settings.kv_cache} - Esc quits, F5 restarts")
-    pygame.event.set_grab(True)
-    pygame.mouse.set_visible(False)
-    controls, frame, frames = Controls(), first, 1
-    try:
-        while max_frames is None or frames < max_frames:
-            for event in pygame.event.get():
-                if event.type == pygame.QUIT or (event.type == pygame.KEYDOWN and event.key == pygame.K_ESCAPE):
-                    return 0
-                if event.type == pygame.KEYDOWN and event.key == pygame.K_F5:
-                    pipe.restart_from_buffer()
-                controls.handle(event)
-            surface = pygame.surfarray.make_surface(frame.numpy().swapaxes(0, 1))
-            screen.blit(pygame.transform.scale(surface, screen.get_size()), (0, 0))
-            pygame.display.flip()
-            frame, _ = pipe(*controls.take())
-            frames += 1
-        return 0
-    finally:
-        pygame.quit()
+        pygame.display.init()  # video and fonts only: no audio device is needed (or probed)
+        pygame.font.init()
+        h, w = self.pipe.frame_shape
+        try:
+            self.screen = pygame.display.set_mode((w * self.opt.scale, h * self.opt.scale))
+        except pygame.error as exc:
+            print(no_display_message() + f"\n  (SDL said: {exc})")
+            return False
+        pygame.display.set_caption(f"{self.pipe.world.name} | kv {self.pipe.settings.kv_cache} | "
+                                   f"{self.pipe.settings.attn_backend} | Esc quits, F1 overlay")
+        self.font = pygame.font.Font(None, 18)
+        self.clock = pygame.time.Clock()
+        return True
+
+    def _wait_for_pipeline(self):
+        self.worker.start()
+        while not self.worker.ready.wait(0.05):
+            if self.worker.error is not None:
+                raise self.worker.error
+        self.pipe = self.worker.pipe
+        cfg = self.pipe.world.controls
+        self.controls.keys, self.controls.mouse_buttons = parse_bindings(cfg.get("bindings"))
+        self.controls.sensitivity = (self.opt.sensitivity if self.opt.sensitivity is not None
+                                     else float(cfg.get("sensitivity", 1.0)))
+
+    def run(self) -> int:
+        self.worker = Worker(self.source, self.controls, self.opt.replay, None, self.opt.max_frames)
+        self.worker.paused = True  # nothing is generated before the window and outputs exist
+        self._wait_for_pipeline()
+        if not self.open_window():
+            self.worker.stop()
+            pygame.quit()
+            return 2
+        actions_file = open(self.opt.save_actions, "w") if self.opt.save_actions else None
+        self.worker.actions_file = actions_file
+        if self.opt.record is not None:
+            self.toggle_recording(self.opt.record)
+        if self.opt.replay is None:
+            self.set_grab(True)
+        self.worker.paused = False
+        start, code = time.perf_counter(), 0
+        try:
+            running, last_draw = True, 0.0
+            while running:
+                dirty = False
+                for event in pygame.event.get():
+                    running = self.handle(event) and running
+                    dirty = True
+                if self.worker.error is not None:
+                    raise self.worker.error
+                while True:
+                    try:
+                        self.on_frame(self.worker.results.get_nowait())
+                        dirty = True
+                    except queue.Empty:
+                        break
+                limit = self.opt.max_frames
+                if (limit is not None and self.frames_shown >= limit) or (
+                        self.worker.finished and self.worker.results.empty() and self.frames_shown == self.worker.frames):
+                    running = False
+                # Redraw on news (or 4x a second for the overlay): idle redraws would take CPU
+                # and the GIL from the generating thread.
+                if dirty or self._screenshot or time.perf_counter() - last_draw > 0.25:
+                    self.draw()
+                    last_draw = time.perf_counter()
+                self.clock.tick(self.opt.target_fps)
+        except KeyboardInterrupt:
+            code = 130
+        finally:
+            self.worker.stop()
+            self.worker.join(timeout=30)
+            if self.writer is not None:
+                self.toggle_recording()
+            if actions_file is not None:
+                actions_file.close()
+            pygame.quit()
+        wall = time.perf_counter() - start
+        pipe_s = sum(self.pipe_ms_total) / 1000
+        if self.frames_shown:
+            print(f"played {self.frames_shown} frames in {wall:.1f} s: total {self.frames_shown / wall:.2f} FPS, "
+                  f"pipeline {self.frames_shown / pipe_s:.2f} FPS, overlay {'on' if self.overlay else 'off'}")
+        for path in self.recordings:
+            print(f"recorded {path}")
+        if actions_file is not None:
+            print(f"saved actions to {self.opt.save_actions}")
+        return code

@@ -127,6 +127,7 @@ class WorldConfig:
     pipeline: PipelineConfig
     decoder: DecoderConfig
     inference: dict = field(default_factory=dict)
+    controls: dict = field(default_factory=dict)  # front-end key bindings and mouse sensitivity
     name: str = "world"
     trained: bool = True
     path: Path | None = None
@@ -172,6 +173,7 @@ def load_config(path: str | Path) -> WorldConfig:
                             trained=bool(dec.get("trained", True)))
     inference = OmegaConf.to_container(raw.get("inference") or OmegaConf.create({}), resolve=True)
     meta = raw.get("world") or {}
+    controls = OmegaConf.to_container(raw.get("controls") or OmegaConf.create({}), resolve=True)
     return WorldConfig(model=model, vae_scale=vae_scale, pipeline=pipeline, decoder=decoder,
-                       inference=inference, name=str(meta.get("name", path.parent.name)),
+                       inference=inference, controls=controls, name=str(meta.get("name", path.parent.name)),
                        trained=bool(meta.get("trained", True)), path=path)

@@ -53,8 +53,13 @@ def test_ctrl_c_leaves_a_valid_mp4(tmp_path):
     reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)
     reader.start()
     deadline = time.time() + 120
-    while time.time() < deadline and "| 8/2000" not in "".join(seen) and proc.poll() is None:
+    def progress():
+        done = re.findall(r"\| *(\d+)/2000", "".join(seen))
+        return int(done[-1]) if done else 0
+
+    while time.time() < deadline and progress() < 8 and proc.poll() is None:
         time.sleep(0.1)
+    assert proc.poll() is None, "".join(seen)[-3000:]
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     stdout, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, stdout + "".join(seen)
@@ -76,7 +81,7 @@ def test_action_file_round_trip_and_errors(tmp_path):
     actions = load_actions("random:3", 20)
     write_action_file(tmp_path / "a.jsonl", actions)
     assert load_actions(str(tmp_path / "a.jsonl"), None) == actions
-    with pytest.raises(ValueError, match="has 20 actions but 30 frames"):
+    with pytest.raises(ValueError, match="has 20 frames of actions but 30 frames"):
         load_actions(str(tmp_path / "a.jsonl"), 30)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"mouse": [0, 0], "buttons": [0] * 10}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: buttons must be 11"):

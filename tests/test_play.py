@@ -1,13 +1,22 @@
-"""The pygame window with SDL's dummy video driver and posted events."""
+"""The pygame front end with SDL's dummy video driver and posted events, and one real
+window under Xvfb driven by xdotool."""
+import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
+
+from inference.video import count_frames, read_frames
 
 from .conftest import REPO
 
 pygame = pytest.importorskip("pygame")
+E = pygame.event.Event
+NO_OWL = {k: v for k, v in os.environ.items() if not k.startswith("OWL_")}
 
 
 @pytest.fixture
@@ -16,47 +25,175 @@ def dummy_video(monkeypatch):
     monkeypatch.setenv("SDL_AUDIODRIVER", "dummy")
 
 
-class SpyPipeline:
-    """Wraps the real pipeline; posts events from inside frame calls, records controls."""
+def test_bindings_map_keys_and_mouse_and_reject_collisions():
+    from inference.play import Controls, parse_bindings
 
-    def __init__(self, pipe, script):
-        self.pipe, self.script, self.calls = pipe, script, []
-        self.world, self.settings = pipe.world, pipe.settings
+    keys, mouse = parse_bindings({"E": "q"})
+    c = Controls(keys, mouse, sensitivity=2.0)
+    for ev in (E(pygame.KEYDOWN, key=pygame.K_w), E(pygame.KEYDOWN, key=pygame.K_LSHIFT),
+               E(pygame.KEYDOWN, key=pygame.K_q), E(pygame.KEYDOWN, key=pygame.K_e),
+               E(pygame.MOUSEBUTTONDOWN, button=1), E(pygame.MOUSEMOTION, rel=(3, 1))):
+        c.handle(ev)
+    assert c.take() == ([0.0, 0.0], [1, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0])  # motion ignored while not grabbed
+    c.grabbed = True
+    c.handle(E(pygame.MOUSEMOTION, rel=(3, -1)))
+    c.handle(E(pygame.KEYUP, key=pygame.K_w))
+    assert c.take() == ([6.0, -2.0], [0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0])  # sensitivity scales the mouse only
+    assert c.take()[0] == [0.0, 0.0]  # motion is consumed by the frame that used it
+    with pytest.raises(ValueError, match="collides with the control key"):
+        parse_bindings({"W": "f1"})
+    with pytest.raises(ValueError, match="not a pygame key name"):
+        parse_bindings({"W": "nokey"})
+    with pytest.raises(ValueError, match="bound to both"):
+        parse_bindings({"A": "w"})
+    with pytest.raises(ValueError, match="unknown buttons"):
+        parse_bindings({"JUMP": "j"})
 
-    def restart_from_buffer(self):
-        self.calls.append("restart")
-        self.pipe.restart_from_buffer()
 
-    def __call__(self, mouse, buttons):
-        self.calls.append((list(mouse), list(buttons)))
-        for event in self.script.get(len([c for c in self.calls if c != "restart"]), []):
-            pygame.event.post(event)
-        return self.pipe(mouse, buttons)
+class ScriptedGame:
+    """A Game whose frames post events: {frame number: [events]}."""
+
+    @staticmethod
+    def make(pipe, options, script):
+        from inference.play import Game
+
+        class _Game(Game):
+            def on_frame(self, r):
+                super().on_frame(r)
+                for ev in script.get(self.frames_shown, []):
+                    pygame.event.post(ev)
+
+        return _Game(pipe, options)
 
 
-def test_keys_mouse_and_quit_drive_the_pipeline(dummy_video):
+def read_lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_play_session_controls_record_and_replay_exactly(dummy_video, tmp_path):
     from inference.causvid_pipeline import CausvidPipeline
-    from inference.play import play
+    from inference.play import PlayOptions
 
-    E = pygame.event.Event
+    pipe = CausvidPipeline.from_checkpoint(verbose=False)
+    opts = PlayOptions(scale=2, record=tmp_path / "rec.mp4", record_dir=tmp_path,
+                       save_actions=tmp_path / "a.jsonl", max_frames=14, sensitivity=2.0)
+    key = lambda k: E(pygame.KEYDOWN, key=k)  # noqa: E731
     script = {
-        1: [E(pygame.KEYDOWN, key=pygame.K_w), E(pygame.MOUSEBUTTONDOWN, button=3, pos=(0, 0)),
-            E(pygame.MOUSEMOTION, rel=(5, -2), pos=(0, 0), buttons=(0, 0, 0))],
-        2: [E(pygame.KEYUP, key=pygame.K_w), E(pygame.KEYDOWN, key=pygame.K_LSHIFT), E(pygame.KEYDOWN, key=pygame.K_F5)],
-        3: [E(pygame.QUIT)],
+        1: [key(pygame.K_w), E(pygame.MOUSEMOTION, rel=(5, -2), pos=(0, 0), buttons=(0, 0, 0)), key(pygame.K_F1)],
+        3: [key(pygame.K_F11), key(pygame.K_F5), key(pygame.K_F12)],
+        5: [E(pygame.KEYUP, key=pygame.K_w), key(pygame.K_F6), key(pygame.K_F4)],
+        8: [key(pygame.K_F4)],
     }
-    spy = SpyPipeline(CausvidPipeline.from_checkpoint(verbose=False), script)
-    assert play(spy, scale=2) == 0
-    frames = [c for c in spy.calls if c != "restart"]
-    assert frames[1] == ([5.0, -2.0], [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1])  # W + RMB, mouse (dx, dy)
-    assert "restart" in spy.calls  # F5 restarts the clip
-    assert frames[2] == ([0.0, 0.0], [0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1])  # W released, LSHIFT held
-    assert len(frames) == 3  # QUIT ends the loop before another frame
+    game = ScriptedGame.make(pipe, opts, script)
+    assert game.run() == 0
+    lines = read_lines(tmp_path / "a.jsonl")
+    frames = [x for x in lines if "mouse" in x]
+    events = [x["event"] for x in lines if "event" in x]
+    assert len(frames) == 14 and game.frames_shown == 14
+    assert any(f["mouse"] == [10.0, -4.0] for f in frames)  # motion x sensitivity 2, once
+    assert any(f["buttons"][0] == 1 for f in frames) and frames[-1]["buttons"][0] == 0
+    assert events == ["restart", "clip", "ground_truth", "ground_truth"]
+    assert not game.overlay and game.controls.sensitivity == 2.5
+    shot = game.screenshots[0]
+    assert shot.is_file() and pygame.image.load(str(shot)).get_size() == (128, 128)
+    assert count_frames(tmp_path / "rec.mp4") == 14
+    # the saved actions (with their events) re-render headless to the very same frames
+    r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
+                        str(tmp_path / "a.jsonl"), "--scale", "2", "--out", str(tmp_path / "replay.mp4")],
+                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(read_frames(tmp_path / "rec.mp4"), read_frames(tmp_path / "replay.mp4"))
+
+
+def test_pause_step_and_replay_in_the_window(dummy_video, tmp_path):
+    from inference.actions import load_actions, write_action_file
+    from inference.causvid_pipeline import CausvidPipeline
+    from inference.play import Game, PlayOptions
+
+    write_action_file(tmp_path / "in.jsonl", load_actions("random:2", 6))
+    opts = PlayOptions(scale=1, record=tmp_path / "win.mp4", record_dir=tmp_path,
+                       replay=load_actions(str(tmp_path / "in.jsonl"), None))
+    game = Game(CausvidPipeline.from_checkpoint(verbose=False), opts)
+    assert game.run() == 0 and game.frames_shown == 6  # the replay ends the session
+    r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
+                        str(tmp_path / "in.jsonl"), "--scale", "1", "--out", str(tmp_path / "head.mp4")],
+                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and np.array_equal(read_frames(tmp_path / "win.mp4"), read_frames(tmp_path / "head.mp4"))
+
+    pause = {1: [E(pygame.KEYDOWN, key=pygame.K_F2)]}
+    game = ScriptedGame.make(CausvidPipeline.from_checkpoint(verbose=False), PlayOptions(scale=1, max_frames=50), pause)
+    import threading
+
+    def unpause_later():
+        time.sleep(2.0)
+        game.paused_frames = game.worker.frames
+        game.worker.step_once()
+        time.sleep(1.0)
+        game.stepped_frames = game.worker.frames
+        pygame.event.post(E(pygame.QUIT))
+
+    threading.Thread(target=unpause_later, daemon=True).start()
+    assert game.run() == 0
+    assert game.paused_frames <= 4  # paused: at most the frames already in flight
+    assert game.stepped_frames == game.paused_frames + 1
+
+
+def test_unwritable_record_path_fails_at_start_up(tmp_path):
+    env = {**NO_OWL, "SDL_VIDEODRIVER": "dummy"}
+    r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--record", str(tmp_path / "no" / "x.mp4")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not exist" in r.stderr and "[owl]" not in r.stdout
 
 
 def test_no_display_gives_a_clear_message_not_a_traceback():
-    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "SDL_VIDEODRIVER")}
+    env = {k: v for k, v in NO_OWL.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "SDL_VIDEODRIVER")}
     r = subprocess.run([sys.executable, "-m", "inference.game_cv"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2
     assert "--headless" in r.stderr and "SDL_VIDEODRIVER" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xdotool")),
+                    reason="needs Xvfb and xdotool (Debian packages xvfb, xdotool)")
+def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
+    display = f":{90 + os.getpid() % 9}"
+    xvfb = subprocess.Popen(["Xvfb", display, "-screen", "0", "640x480x24", "-nolisten", "tcp"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**{k: v for k, v in NO_OWL.items() if k != "SDL_VIDEODRIVER"}, "DISPLAY": display}
+    try:
+        time.sleep(1.0)
+        game = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--record", str(tmp_path / "x.mp4"),
+                                 "--save-actions", str(tmp_path / "x.jsonl"), "--record-dir", str(tmp_path),
+                                 "--max-frames", "90", "--scale", "4"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        xdo = lambda *a: subprocess.run(["xdotool", *a], env=env, capture_output=True, text=True)  # noqa: E731
+        deadline = time.time() + 120
+        while time.time() < deadline and not xdo("search", "--classname", "game_cv").stdout.strip():
+            time.sleep(0.2)
+        win = xdo("search", "--classname", "game_cv").stdout.split()[0]
+        assert "kv static" in xdo("getwindowname", win).stdout  # the title names the world and KV mode
+        xdo("mousemove", "--window", win, "128", "128")  # no window manager: focus follows the pointer
+        xdo("windowfocus", win)
+        xdo("keydown", "w")
+        for _ in range(5):
+            xdo("mousemove_relative", "--", "15", "0")
+            time.sleep(0.1)
+        xdo("key", "F12")
+        time.sleep(0.5)
+        xdo("keyup", "w")
+        out, err = game.communicate(timeout=180)
+        assert game.returncode == 0, err
+    finally:
+        xvfb.terminate()
+    shots = list(tmp_path.glob("screenshot_*.png"))
+    assert shots, out
+    img = pygame.surfarray.array3d(pygame.image.load(str(shots[0])))
+    assert img.shape[:2] == (256, 256) and img.std() > 5  # a real picture, not a blank window
+    lines = read_lines(tmp_path / "x.jsonl")
+    assert sum("mouse" in x for x in lines) == 90 and count_frames(tmp_path / "x.mp4") == 90
+    assert any(x.get("buttons", [0])[0] == 1 for x in lines)  # xdotool's W reached the pipeline
+    assert any(x.get("mouse", [0, 0])[0] > 0 for x in lines)  # and so did its mouse motion
+    r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
+                        str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "replay.mp4")],
+                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and np.array_equal(read_frames(tmp_path / "x.mp4"), read_frames(tmp_path / "replay.mp4"))
