@@ -115,8 +115,7 @@ class FrameResult:
 class Worker(threading.Thread):
     """Generates frames; applies commands between frames; logs what the pipeline got."""
 
-    def __init__(self, source, controls: Controls, replay: list | None = None,
-                 actions_file=None, max_frames: int | None = None):
+    def __init__(self, source, controls: Controls, replay: list | None = None, max_frames: int | None = None):
         """``source``: a pipeline, or a function that builds one. Building it here, on the
         thread that generates, matters on CPU: torch's OpenMP pool belongs to the thread that
         first ran ops, and generating from another thread measured ~2x slower."""
@@ -124,7 +123,7 @@ class Worker(threading.Thread):
         self.pipe = source if isinstance(source, CausvidPipeline) else None
         self._factory = None if self.pipe is not None else source
         self.ready = threading.Event()
-        self.controls, self.actions_file, self.max_frames = controls, actions_file, max_frames
+        self.controls, self.max_frames = controls, max_frames
         self.replay = iter(replay) if replay is not None else None
         self.commands: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue(maxsize=2)
@@ -140,14 +139,19 @@ class Worker(threading.Thread):
     def step_once(self):
         self._step.set()
 
-    def _log(self, item):
-        if self.actions_file is not None:
-            self.actions_file.write(action_line(item))
-            self.actions_file.flush()  # a killed session still leaves every finished line
+    def _emit(self, item):
+        """Hand a frame or an applied event to the UI thread, in order; the UI logs what it
+        consumes, so saved actions match the frames shown even when a session is cut short."""
+        while not self._halt.is_set():
+            try:
+                self.results.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                pass
 
     def _event(self, event: dict):
         apply_event(self.pipe, event)
-        self._log(event)
+        self._emit(dict(event))
 
     def _next_controls(self):
         if self.replay is None:
@@ -181,15 +185,8 @@ class Worker(threading.Thread):
                 t1 = time.perf_counter()
                 frame = self.pipe.decode(latent).numpy()
                 t2 = time.perf_counter()
-                self._log(controls)
                 self.frames += 1
-                result = FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls)
-                while not self._halt.is_set():
-                    try:
-                        self.results.put(result, timeout=0.05)
-                        break
-                    except queue.Full:
-                        pass
+                self._emit(FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls))
         except BaseException as exc:  # surfaced by the event loop
             self.error = exc
 
@@ -245,6 +242,7 @@ class Game:
         self.clip_index = 0
         self.world_seed = self.opt.world_seed
         self._screenshot = False
+        self.actions_file = None
 
     # -- input ---------------------------------------------------------------------------------
     def set_grab(self, on: bool):
@@ -310,6 +308,18 @@ class Game:
             return
         path = path or self.opt.record_dir / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
         self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale)
+
+    def log(self, item):
+        if self.actions_file is not None:
+            self.actions_file.write(action_line(item))
+            self.actions_file.flush()  # a killed session still leaves every finished line
+
+    def consume(self, item):
+        if isinstance(item, FrameResult):
+            self.log((item.mouse, item.buttons))
+            self.on_frame(item)
+        else:
+            self.log(item)
 
     def on_frame(self, r: FrameResult):
         self.frame, self.last = r.frame, r
@@ -394,15 +404,14 @@ class Game:
                                      else float(cfg.get("sensitivity", 1.0)))
 
     def run(self) -> int:
-        self.worker = Worker(self.source, self.controls, self.opt.replay, None, self.opt.max_frames)
+        self.worker = Worker(self.source, self.controls, self.opt.replay, self.opt.max_frames)
         self.worker.paused = True  # nothing is generated before the window and outputs exist
         self._wait_for_pipeline()
         if not self.open_window():
             self.worker.stop()
             pygame.quit()
             return 2
-        actions_file = open(self.opt.save_actions, "w") if self.opt.save_actions else None
-        self.worker.actions_file = actions_file
+        actions_file = self.actions_file = open(self.opt.save_actions, "w") if self.opt.save_actions else None
         if self.opt.record is not None:
             self.toggle_recording(self.opt.record)
         if self.opt.replay is None:
@@ -420,7 +429,7 @@ class Game:
                     raise self.worker.error
                 while True:
                     try:
-                        self.on_frame(self.worker.results.get_nowait())
+                        self.consume(self.worker.results.get_nowait())
                         dirty = True
                     except queue.Empty:
                         break

@@ -135,3 +135,15 @@ def test_ground_truth_exhaustion_is_a_clear_error_and_keeps_the_video(tmp_path):
             "--out", str(out))
     assert r.returncode == 2 and "records 3 future actions" in r.stderr and "Traceback" not in r.stderr
     assert "(3 frames) - stopped by an error" in r.stdout and count_frames(out) == 3
+
+
+def test_world_seed_starts_from_a_fresh_simulator_level(tmp_path):
+    pipe = CausvidPipeline.from_checkpoint(verbose=False)
+    clip = pipe.load_world(3, future=40)
+    assert clip.name == "world-3" and clip.latents.shape == (32, 16, 8, 8) and clip.future_mouse.shape == (40, 2)
+    a = pipe([0, 0], [0] * 11)[0]
+    pipe.load_world(4, future=40)
+    assert not torch.equal(a, pipe([0, 0], [0] * 11)[0])
+    r = run("--headless", "--world-seed", "3", "--frames", "4", "--out", str(tmp_path / "w.mp4"))
+    assert r.returncode == 0, r.stderr
+    assert count_frames(tmp_path / "w.mp4") == 4

@@ -120,8 +120,9 @@ def test_pause_step_and_replay_in_the_window(dummy_video, tmp_path):
                        cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and np.array_equal(read_frames(tmp_path / "win.mp4"), read_frames(tmp_path / "head.mp4"))
 
-    pause = {1: [E(pygame.KEYDOWN, key=pygame.K_F2)]}
-    game = ScriptedGame.make(CausvidPipeline.from_checkpoint(verbose=False), PlayOptions(scale=1, max_frames=50), pause)
+    pause = {1: [E(pygame.KEYDOWN, key=pygame.K_F9), E(pygame.KEYDOWN, key=pygame.K_F2)]}
+    game = ScriptedGame.make(CausvidPipeline.from_checkpoint(verbose=False),
+                             PlayOptions(scale=1, max_frames=50, record_dir=tmp_path), pause)
     import threading
 
     def unpause_later():
@@ -130,12 +131,38 @@ def test_pause_step_and_replay_in_the_window(dummy_video, tmp_path):
         game.worker.step_once()
         time.sleep(1.0)
         game.stepped_frames = game.worker.frames
-        pygame.event.post(E(pygame.QUIT))
+        pygame.event.post(E(pygame.KEYDOWN, key=pygame.K_ESCAPE))
 
     threading.Thread(target=unpause_later, daemon=True).start()
     assert game.run() == 0
     assert game.paused_frames <= 4  # paused: at most the frames already in flight
     assert game.stepped_frames == game.paused_frames + 1
+    # F9 started a recording; quitting with Esc finalised it (frames already queued when F9
+    # was read were shown before it, so the count is up to frames_shown - 1)
+    (rec,) = game.recordings
+    assert rec.parent == tmp_path and 1 <= count_frames(rec) <= game.frames_shown - 1
+
+
+def test_ctrl_c_in_the_window_leaves_valid_recording_and_actions(tmp_path):
+    import re
+    import signal
+
+    env = {**NO_OWL, "SDL_VIDEODRIVER": "dummy"}
+    proc = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--record", str(tmp_path / "r.mp4"),
+                             "--save-actions", str(tmp_path / "r.jsonl"), "--max-frames", "100000"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "r.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(2.0)
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, 130), err  # SDL turns SIGINT into a quit event; both end cleanly
+    n = int(re.search(r"played (\d+) frames", out).group(1))
+    assert n > 5 and count_frames(tmp_path / "r.mp4") == n
+    assert sum("mouse" in x for x in read_lines(tmp_path / "r.jsonl")) == n
 
 
 def test_unwritable_record_path_fails_at_start_up(tmp_path):
