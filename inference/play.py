@@ -113,7 +113,7 @@ class FrameResult:
 
 
 class Worker(threading.Thread):
-    """Generates frames; applies commands between frames; logs what the pipeline got."""
+    """Generates frames and applies commands between frames, emitting both in order."""
 
     def __init__(self, source, controls: Controls, replay: list | None = None, max_frames: int | None = None):
         """``source``: a pipeline, or a function that builds one. Building it here, on the
