@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from owl_wms.training import warmup_cosine
+from owl_wms.training import load_training_state, save_training_state, warmup_cosine
 from owl_wms.training.vae import build_autoencoder, load_frames, psnr, to_unit, vae_loss
 
 
@@ -47,15 +47,8 @@ def main(argv=None):
     opt = torch.optim.AdamW(ae.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 20)))
     gen = torch.Generator().manual_seed(args.seed)
-    step, state_path = 0, out / "train_state.pt"
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=True)
-        ae.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
-        gen.set_state(st["gen"])
-        step = int(st["step"])
-        print(f"resumed at step {step}")
+    state_path = out / "train_state.pt"
+    step = load_training_state(state_path, gen, model=ae, opt=opt, sched=sched)
 
     def evaluate():
         ae.eval()
@@ -80,8 +73,7 @@ def main(argv=None):
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.5f}")
         if step % args.save_every == 0 or step == args.steps:
-            torch.save({"model": ae.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "gen": gen.get_state(), "step": step}, state_path)
+            save_training_state(state_path, step, gen, model=ae, opt=opt, sched=sched)
             bar.write(f"step {step}: held-out PSNR {evaluate():.2f} dB")
     bar.close()
     val_psnr = evaluate()

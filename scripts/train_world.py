@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from owl_wms.config import load_config
 from owl_wms.model import GameRFT
-from owl_wms.training import warmup_cosine
+from owl_wms.training import load_training_state, save_training_state, warmup_cosine
 from owl_wms.training.world import LatentEpisodes, flow_loss, sample_times
 
 
@@ -51,16 +51,8 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    state_path, step = out / "train_state.pt", 0
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=True)
-        model.load_state_dict(st["model"])
-        ema.load_state_dict(st["ema"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
-        gen.set_state(st["gen"])
-        step = int(st["step"])
-        print(f"resumed at step {step}")
+    state_path = out / "train_state.pt"
+    step = load_training_state(state_path, gen, model=model, ema=ema, opt=opt, sched=sched)
     device_type = torch.device(args.device).type
     t0, losses = time.time(), []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
@@ -83,8 +75,7 @@ def main(argv=None):
         bar.update(1)
         bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
         if step % args.save_every == 0 or step == args.steps:
-            torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(),
-                        "sched": sched.state_dict(), "gen": gen.get_state(), "step": step}, state_path)
+            save_training_state(state_path, step, gen, model=model, ema=ema, opt=opt, sched=sched)
     bar.close()
     torch.save(ema.core.state_dict(), out / "ema_core.pt")
     (out / "train_metrics.json").write_text(json.dumps({
