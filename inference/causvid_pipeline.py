@@ -224,8 +224,23 @@ class CausvidPipeline:
         return as_controls(mouse, buttons)
 
     @torch.no_grad()
-    def generate(self, mouse, buttons, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """One frame in model space: latent [1, 1, c, h, w] (not yet multiplied by vae_scale)."""
+    def observe(self, latent: torch.Tensor, mouse, buttons):
+        """Teacher forcing: append a real frame (model space [1, 1, c, h, w]) to the history,
+        noised at alpha like the prefill, in place of a generated one."""
+        m, b = as_controls(mouse, buttons)
+        x = latent.float().cpu()
+        x = (1 - self.alpha) * x + self.alpha * torch.randn(x.shape, generator=self.generator)
+        t = self._dev(torch.full((1, 1), self.alpha))
+        self.model.core.transformer.disable_decoding()
+        self._velocity(self._dev(x), t, self._dev(m.view(1, 1, 2)), self._dev(b.view(1, 1, 11)), write=True)
+        self.model.core.transformer.enable_decoding()
+        self.frame_index += 1
+
+    @torch.no_grad()
+    def generate(self, mouse, buttons, noise: torch.Tensor | None = None, commit: bool = True) -> torch.Tensor:
+        """One frame in model space: latent [1, 1, c, h, w] (not yet multiplied by vae_scale).
+
+        ``commit=False`` leaves the history untouched (for teacher forcing with ``observe``)."""
         if self.cache is None and self._recompute is None:
             raise RuntimeError("pipeline has no history; call load_clip() or prefill() first")
         mouse, buttons = self.next_controls(mouse, buttons)
@@ -239,11 +254,11 @@ class CausvidPipeline:
         sched = self.schedule
         for i in range(len(sched) - 1):
             t = self._dev(torch.full((1, 1), sched[i]))
-            v = self._velocity(x, t, m, b, write=i == len(sched) - 2)
+            v = self._velocity(x, t, m, b, write=commit and i == len(sched) - 2)
             x = x - (sched[i] - sched[i + 1]) * v
             if self.profiler:
                 self.profiler.mark(f"step{i + 1}")
-        self.frame_index += 1
+        self.frame_index += commit
         return x
 
     @torch.no_grad()

@@ -107,3 +107,20 @@ def test_compiled_model_matches_eager_and_stops_recompiling():
         outs.append(pipe.generate(torch.randn(2, generator=g) * 3, (torch.rand(11, generator=g) > 0.7).float()))
     assert counters["stats"]["unique_graphs"] == graphs  # steady state: no recompiles per frame
     assert (torch.cat(outs, dim=1) - eager).abs().max() <= 1e-4
+
+
+def test_teacher_forcing_observe_matches_between_cache_and_baseline():
+    cfg = tiny_config()
+    outs = {}
+    for mode in ("static", "none"):
+        _, pipe = rollout(cfg, mode, 3)
+        g = torch.Generator().manual_seed(7)
+        seq = []
+        for _ in range(9):  # predict without committing, then observe a "real" frame
+            m, b = torch.randn(2, generator=g), (torch.rand(11, generator=g) > 0.5).float()
+            seq.append(pipe.generate(m, b, commit=False))
+            pipe.observe(torch.randn(1, 1, 8, 4, 4, generator=g), m, b)
+        outs[mode] = torch.cat(seq, dim=1)
+        if mode == "static":
+            assert pipe.cache.get_offset(0) == (5 + 3 + 9) * cfg.tokens_per_frame
+    assert (outs["static"] - outs["none"]).abs().max() <= 1e-4
