@@ -18,7 +18,7 @@ from owl_wms.settings import Settings, SettingsError
 
 from .actions import BUILTIN, apply_event, is_event, load_actions
 from .causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
-from .video import Mp4Writer, OutputPathError
+from .video import Mp4Writer, OutputPathError, StopOnSigint
 
 USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError)
 
@@ -83,18 +83,22 @@ def run_headless(args) -> int:
     interrupted, error = False, None
     pipe_seconds = 0.0
     try:
-        pipe = build_pipeline(args)
-        start = time.perf_counter()
-        bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
-        for item in items:
-            if is_event(item):
-                apply_event(pipe, item)
-                continue
-            frame, secs = pipe(*item)
-            pipe_seconds += secs
-            writer.write(frame.numpy())
-            bar.update(1)
-        bar.close()
+        with StopOnSigint() as stop:
+            pipe = build_pipeline(args)
+            start = time.perf_counter()
+            bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
+            for item in items:
+                if stop.requested:
+                    interrupted = True
+                    break
+                if is_event(item):
+                    apply_event(pipe, item)
+                    continue
+                frame, secs = pipe(*item)
+                pipe_seconds += secs
+                writer.write(frame.numpy())
+                bar.update(1)
+            bar.close()
     except KeyboardInterrupt:
         interrupted = True
     except Exception as exc:  # the video of the frames so far is still finalised and reported

@@ -26,7 +26,7 @@ import pygame  # noqa: E402
 
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
 from .causvid_pipeline import BUTTONS, CausvidPipeline  # noqa: E402
-from .video import Mp4Writer, OutputPathError, check_output_path  # noqa: E402
+from .video import Mp4Writer, OutputPathError, StopOnSigint, check_output_path  # noqa: E402
 
 DEFAULT_BINDINGS = {"W": "w", "A": "a", "S": "s", "D": "d", "LSHIFT": "left shift", "SPACE": "space",
                     "R": "r", "F": "f", "E": "e", "LMB": "mouse1", "RMB": "mouse3"}
@@ -418,41 +418,45 @@ class Game:
             self.set_grab(True)
         self.worker.paused = False
         start, code = time.perf_counter(), 0
-        try:
-            running, last_draw = True, 0.0
-            while running:
-                dirty = False
-                for event in pygame.event.get():
-                    running = self.handle(event) and running
-                    dirty = True
-                if self.worker.error is not None:
-                    raise self.worker.error
-                while True:
-                    try:
-                        self.consume(self.worker.results.get_nowait())
-                        dirty = True
-                    except queue.Empty:
+        with StopOnSigint() as stop:
+            try:
+                running, last_draw = True, 0.0
+                while running:
+                    if stop.requested:
+                        code = 130
                         break
-                limit = self.opt.max_frames
-                if (limit is not None and self.frames_shown >= limit) or (
-                        self.worker.finished and self.worker.results.empty() and self.frames_shown == self.worker.frames):
-                    running = False
-                # Redraw on news (or 4x a second for the overlay): idle redraws would take CPU
-                # and the GIL from the generating thread.
-                if dirty or self._screenshot or time.perf_counter() - last_draw > 0.25:
-                    self.draw()
-                    last_draw = time.perf_counter()
-                self.clock.tick(self.opt.target_fps)
-        except KeyboardInterrupt:
-            code = 130
-        finally:
-            self.worker.stop()
-            self.worker.join(timeout=30)
-            if self.writer is not None:
-                self.toggle_recording()
-            if actions_file is not None:
-                actions_file.close()
-            pygame.quit()
+                    dirty = False
+                    for event in pygame.event.get():
+                        running = self.handle(event) and running
+                        dirty = True
+                    if self.worker.error is not None:
+                        raise self.worker.error
+                    while True:
+                        try:
+                            self.consume(self.worker.results.get_nowait())
+                            dirty = True
+                        except queue.Empty:
+                            break
+                    limit = self.opt.max_frames
+                    if (limit is not None and self.frames_shown >= limit) or (
+                            self.worker.finished and self.worker.results.empty() and self.frames_shown == self.worker.frames):
+                        running = False
+                    # Redraw on news (or 4x a second for the overlay): idle redraws would take CPU
+                    # and the GIL from the generating thread.
+                    if dirty or self._screenshot or time.perf_counter() - last_draw > 0.25:
+                        self.draw()
+                        last_draw = time.perf_counter()
+                    self.clock.tick(self.opt.target_fps)
+            except KeyboardInterrupt:
+                code = 130
+            finally:
+                self.worker.stop()
+                self.worker.join(timeout=30)
+                if self.writer is not None:
+                    self.toggle_recording()
+                if actions_file is not None:
+                    actions_file.close()
+                pygame.quit()
         wall = time.perf_counter() - start
         pipe_s = sum(self.pipe_ms_total) / 1000
         if self.frames_shown:

@@ -3,6 +3,7 @@ finalised (moov atom written, renamed into place) on every exit, Ctrl-C included
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import imageio_ffmpeg
@@ -81,3 +82,21 @@ def read_frames(path: str | Path) -> np.ndarray:
     meta = next(gen)
     w, h = meta["size"]
     return np.stack([np.frombuffer(f, dtype=np.uint8).reshape(h, w, 3) for f in gen])
+
+
+class StopOnSigint:
+    """Ctrl-C becomes a request checked between frames (``requested``), so it can never land
+    inside a write to ffmpeg and truncate the file; a second Ctrl-C interrupts at once."""
+
+    def __enter__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)

@@ -159,7 +159,7 @@ def test_ctrl_c_in_the_window_leaves_valid_recording_and_actions(tmp_path):
     assert proc.poll() is None
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode in (0, 130), err  # SDL turns SIGINT into a quit event; both end cleanly
+    assert proc.returncode == 130, err  # Ctrl-C stops between frames, like the headless mode
     n = int(re.search(r"played (\d+) frames", out).group(1))
     assert n > 5 and count_frames(tmp_path / "r.mp4") == n
     assert sum("mouse" in x for x in read_lines(tmp_path / "r.jsonl")) == n
