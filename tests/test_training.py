@@ -61,6 +61,18 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys):
     state = torch.load(tmp_path / "world" / "ema_core.pt", weights_only=True)
     assert "proj_in.weight" in state
 
+    # export: a checkpoint folder the pipeline plays
+    from inference.causvid_pipeline import CausvidPipeline
+    from scripts import export_checkpoint
+
+    export_checkpoint.main(["--config", str(tmp_path / "tiny.yaml"), "--vae", str(chain / "vae" / "final"),
+                            "--latents", str(chain / "latents"), "--world", str(tmp_path / "world"),
+                            "--out", str(tmp_path / "ckpt"), "--clips", "2", "--future", "20"])
+    assert (tmp_path / "ckpt" / "MODEL.md").read_text().count("|") > 10
+    pipe = CausvidPipeline.from_checkpoint(tmp_path / "ckpt", verbose=False)
+    assert pipe.vae_scale == json.loads((chain / "latents" / "stats.json").read_text())["vae_scale"]
+    assert len(pipe.clip_paths) == 2 and pipe([0, 0], [1] + [0] * 10)[0].shape == (64, 64, 3)
+
 
 def test_vae_training_lowers_the_loss():
     torch.manual_seed(0)
