@@ -133,9 +133,7 @@ class CausvidPipeline:
             raise RuntimeError("starting from a simulator level needs the autoencoder (no decoder loaded)")
         size = self.frame_shape[0]
         frames, mouse, buttons = rollout_episode(seed, self.window + future, config=SimConfig(width=size, height=size))
-        images = torch.from_numpy(frames[: self.window]).permute(0, 3, 1, 2).float() / 127.5 - 1
-        latents = self.decoder.encode(images.to(self.device)).cpu()
-        clip = Clip(latents, torch.from_numpy(mouse), torch.from_numpy(buttons), self.window, name=f"world-{seed}")
+        clip = Clip(self.decoder.encode_uint8(frames[: self.window]), torch.from_numpy(mouse), torch.from_numpy(buttons), self.window, name=f"world-{seed}")
         return self.load_clip(clip)
 
     @property

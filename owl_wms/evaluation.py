@@ -25,11 +25,6 @@ def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
             float(structural_similarity_index_measure(p, r, data_range=255.0)))
 
 
-def encode_frames(pipe, frames: np.ndarray) -> torch.Tensor:
-    images = torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 127.5 - 1
-    return pipe.decoder.encode(images.to(pipe.device)).cpu()
-
-
 class Episode:
     """A held-out simulator episode: real frames and actions, history encoded once."""
 
@@ -38,7 +33,7 @@ class Episode:
         w = pipe.window
         self.frames, self.mouse, self.buttons = rollout_episode(seed, w + frames, config=SimConfig(width=size, height=size))
         self.seed, self.window = seed, w
-        self.clip = Clip(encode_frames(pipe, self.frames[:w]), torch.from_numpy(self.mouse),
+        self.clip = Clip(pipe.decoder.encode_uint8(self.frames[:w]), torch.from_numpy(self.mouse),
                          torch.from_numpy(self.buttons), w, name=f"eval-{seed}")
 
     def future(self, k: int):
@@ -65,5 +60,5 @@ def teacher_forced(pipe, ep: Episode, n: int) -> list[tuple[float, float]]:
         real, m, b = ep.future(k)
         frame = pipe.decode(pipe.generate(m, b, commit=False)).numpy()
         out.append(frame_metrics(frame, real))
-        pipe.observe(encode_frames(pipe, real[None])[None] / pipe.vae_scale, m, b)
+        pipe.observe(pipe.decoder.encode_uint8(real[None])[None] / pipe.vae_scale, m, b)
     return out

@@ -33,6 +33,16 @@ class FrameDecoder(nn.Module):
         out = enc.latent_dist.mean if hasattr(enc, "latent_dist") else enc.latents
         return out.float()
 
+    @torch.no_grad()
+    def encode_uint8(self, frames, chunk: int = 256) -> torch.Tensor:
+        """uint8 RGB frames [n, H, W, 3] (numpy or tensor) -> latents [n, c, h, w] on the CPU."""
+        frames = torch.as_tensor(frames)
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != torch.uint8:
+            raise ValueError(f"frames have shape {tuple(frames.shape)} and dtype {frames.dtype}; "
+                             "expected uint8 [n, H, W, 3]")
+        images = frames.permute(0, 3, 1, 2).float() / 127.5 - 1
+        return torch.cat([self.encode(c).cpu() for c in images.split(chunk)])
+
     forward = decode
 
 

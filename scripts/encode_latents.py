@@ -18,7 +18,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from owl_wms.training.vae import to_unit
 from owl_wms.vae import FrameDecoder, autoencoder_class
 
 
@@ -44,8 +43,7 @@ def main(argv=None):
         with safe_open(str(ep), "pt") as f:
             meta = f.metadata()
         t = load_file(str(ep))
-        frames = to_unit(t["frames"].permute(0, 3, 1, 2))
-        lat = torch.cat([coder.encode(c.to(args.device)).cpu() for c in frames.split(256)])
+        lat = coder.encode_uint8(t["frames"])
         tmp = final.with_suffix(".tmp")
         save_file({"latents": lat.contiguous(), "mouse": t["mouse"], "buttons": t["buttons"]}, str(tmp), metadata=meta)
         os.replace(tmp, final)

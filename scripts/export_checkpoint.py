@@ -22,17 +22,9 @@ from safetensors.torch import save_file
 from owl_wms.clips import Clip
 from owl_wms.config import load_config
 from owl_wms.data import rollout_episode
-from owl_wms.evaluation import encode_frames
 from owl_wms.simulator import SimConfig
 
 CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,000,000..) seeds
-
-
-class _Encoder:
-    """Just enough of a pipeline for ``encode_frames``."""
-
-    def __init__(self, decoder):
-        self.decoder, self.device = decoder, torch.device("cpu")
 
 
 def main(argv=None):
@@ -64,7 +56,7 @@ def main(argv=None):
 
     from owl_wms.vae import load_decoder
 
-    encoder = _Encoder(load_decoder(world))
+    coder = load_decoder(world)
     clip_dir = world.resolve(world.pipeline.clips)
     shutil.rmtree(clip_dir, ignore_errors=True)
     clip_dir.mkdir(parents=True)
@@ -72,7 +64,7 @@ def main(argv=None):
     size = world.model.sample_size * 8
     for i in range(args.clips):
         frames, mouse, buttons = rollout_episode(CLIP_SEED + i, w + args.future, config=SimConfig(width=size, height=size))
-        Clip(encode_frames(encoder, frames[:w]), torch.from_numpy(mouse), torch.from_numpy(buttons), w) \
+        Clip(coder.encode_uint8(frames[:w]), torch.from_numpy(mouse), torch.from_numpy(buttons), w) \
             .save(clip_dir / f"clip_{i:02d}.safetensors")
 
     train = json.loads((Path(args.world) / "train_metrics.json").read_text())

@@ -41,6 +41,10 @@ def test_safetensors_and_decoder(tmp_path):
     assert rgb.shape == (2, 3, 64, 64) and rgb.min() >= -1 and rgb.max() <= 1
     with pytest.raises(ValueError, match="expected \\[batch, 16, h, w\\]"):
         decoder.decode(torch.randn(2, 3, 8, 8))
+    lat = decoder.encode_uint8(torch.randint(0, 256, (3, 64, 64, 3), dtype=torch.uint8))
+    assert lat.shape == (3, 16, 8, 8) and lat.dtype == torch.float32
+    with pytest.raises(ValueError, match="expected uint8 \\[n, H, W, 3\\]"):
+        decoder.encode_uint8(torch.zeros(3, 64, 64, 3))
 
 
 def test_mismatch_errors_name_file_and_keys(tmp_path):
