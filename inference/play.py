@@ -381,13 +381,14 @@ class Game:
         pygame.display.init()  # video and fonts only: no audio device is needed (or probed)
         pygame.font.init()
         h, w = self.pipe.frame_shape
+        # The title is set before the window exists, so it never appears untitled.
+        pygame.display.set_caption(f"{self.pipe.world.name} | kv {self.pipe.settings.kv_cache} | "
+                                   f"{self.pipe.settings.attn_backend} | Esc quits, F1 overlay")
         try:
             self.screen = pygame.display.set_mode((w * self.opt.scale, h * self.opt.scale))
         except pygame.error as exc:
             print(no_display_message() + f"\n  (SDL said: {exc})")
             return False
-        pygame.display.set_caption(f"{self.pipe.world.name} | kv {self.pipe.settings.kv_cache} | "
-                                   f"{self.pipe.settings.attn_backend} | Esc quits, F1 overlay")
         self.font = pygame.font.Font(None, 18)
         self.clock = pygame.time.Clock()
         return True

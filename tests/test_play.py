@@ -126,7 +126,9 @@ def test_pause_step_and_replay_in_the_window(dummy_video, tmp_path):
     import threading
 
     def unpause_later():
-        time.sleep(2.0)
+        time.sleep(1.0)
+        game.settled_frames = game.worker.frames  # frames already in flight when F2 was read
+        time.sleep(1.0)
         game.paused_frames = game.worker.frames
         game.worker.step_once()
         time.sleep(1.0)
@@ -135,7 +137,7 @@ def test_pause_step_and_replay_in_the_window(dummy_video, tmp_path):
 
     threading.Thread(target=unpause_later, daemon=True).start()
     assert game.run() == 0
-    assert game.paused_frames <= 4  # paused: at most the frames already in flight
+    assert game.paused_frames == game.settled_frames <= 8  # paused: nothing new in a whole second
     assert game.stepped_frames == game.paused_frames + 1
     # F9 started a recording; quitting with Esc finalised it (frames already queued when F9
     # was read were shown before it, so the count is up to frames_shown - 1)
@@ -198,6 +200,8 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
         while time.time() < deadline and not xdo("search", "--classname", "game_cv").stdout.strip():
             time.sleep(0.2)
         win = xdo("search", "--classname", "game_cv").stdout.split()[0]
+        while time.time() < deadline and "kv static" not in xdo("getwindowname", win).stdout:
+            time.sleep(0.1)
         assert "kv static" in xdo("getwindowname", win).stdout  # the title names the world and KV mode
         xdo("mousemove", "--window", win, "128", "128")  # no window manager: focus follows the pointer
         xdo("windowfocus", win)
