@@ -108,7 +108,8 @@ def apply_event(pipe, event: dict):
         pipe.load_world(int(event["seed"]))
     elif name == "ground_truth":
         pipe.ground_truth = bool(event["on"])
-        pipe.gt_step = 0 if pipe.ground_truth else pipe.gt_step
+        if pipe.ground_truth:
+            pipe.gt_step = 0  # replay the clip's recorded actions from their start
 
 
 def load_actions(spec: str, frames: int | None, seed: int = 0) -> list:

@@ -126,14 +126,11 @@ class CausvidPipeline:
         """Start from a fresh simulator level: render a history window with the exploring
         policy, encode it with the autoencoder, and keep ``future`` policy actions for
         ground-truth replay."""
-        from owl_wms.data import rollout_episode
-        from owl_wms.simulator import SimConfig
+        from owl_wms.data import level_clip
 
         if self.decoder is None:
             raise RuntimeError("starting from a simulator level needs the autoencoder (no decoder loaded)")
-        size = self.frame_shape[0]
-        frames, mouse, buttons = rollout_episode(seed, self.window + future, config=SimConfig(width=size, height=size))
-        clip = Clip(self.decoder.encode_uint8(frames[: self.window]), torch.from_numpy(mouse), torch.from_numpy(buttons), self.window, name=f"world-{seed}")
+        clip, _ = level_clip(self.decoder, seed, self.window, future, self.frame_shape[0], name=f"world-{seed}")
         return self.load_clip(clip)
 
     @property
@@ -162,9 +159,7 @@ class CausvidPipeline:
         if history.ndim != 4 or n > self.window or mouse.shape != (n, 2) or buttons.shape != (n, 11):
             raise ValueError(f"prefill got history {tuple(history.shape)}, mouse {tuple(mouse.shape)}, buttons "
                              f"{tuple(buttons.shape)}; expected [n<= {self.window}, c, h, w], [n, 2], [n, 11]")
-        x = history.float()
-        if not noised:
-            x = (1 - self.alpha) * x + self.alpha * torch.randn(x.shape, generator=self.generator)
+        x = history.float() if noised else self._noised_history(history)
         x, t = self._dev(x[None]), self._dev(torch.full((1, n), self.alpha))
         m, b = self._dev(mouse[None]), self._dev(buttons[None])
         self.frame_index = 0
@@ -186,6 +181,11 @@ class CausvidPipeline:
             self.profiler.prefill(self.kv_bytes)
 
     # -- generation ----------------------------------------------------------------------------
+    def _noised_history(self, x: torch.Tensor) -> torch.Tensor:
+        """History frames enter the cache noised at alpha: (1 - alpha) x + alpha eps (CPU noise)."""
+        x = x.float().cpu()
+        return (1 - self.alpha) * x + self.alpha * torch.randn(x.shape, generator=self.generator)
+
     def _dev(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.device, self.settings.dtype)
 
@@ -226,8 +226,7 @@ class CausvidPipeline:
         """Teacher forcing: append a real frame (model space [1, 1, c, h, w]) to the history,
         noised at alpha like the prefill, in place of a generated one."""
         m, b = as_controls(mouse, buttons)
-        x = latent.float().cpu()
-        x = (1 - self.alpha) * x + self.alpha * torch.randn(x.shape, generator=self.generator)
+        x = self._noised_history(latent)
         t = self._dev(torch.full((1, 1), self.alpha))
         self.model.core.transformer.disable_decoding()
         self._velocity(self._dev(x), t, self._dev(m.view(1, 1, 2)), self._dev(b.view(1, 1, 11)), write=True)

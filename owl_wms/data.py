@@ -7,7 +7,9 @@ uses every other button (sprint, jump, reload, flashlight, interact, fire, zoom)
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from .clips import Clip
 from .simulator import D_, E_, F_, LMB, R_, RMB, SHIFT, SPACE, A_, S_, W_, MazeSim, SimConfig
 
 
@@ -61,3 +63,13 @@ def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None
         out[i] = sim.step(m, b)
         mouse[i], buttons[i] = m, b
     return out, mouse, buttons
+
+
+def level_clip(coder, seed: int, window: int, future: int, size: int, name: str | None = None):
+    """A clip that starts on a simulator level: ``window`` history frames encoded with
+    ``coder`` (a FrameDecoder) plus ``future`` recorded policy actions.
+    Returns (clip, the level's uint8 frames [window + future, size, size, 3])."""
+    frames, mouse, buttons = rollout_episode(seed, window + future, config=SimConfig(width=size, height=size))
+    clip = Clip(coder.encode_uint8(frames[:window]), torch.from_numpy(mouse), torch.from_numpy(buttons), window,
+                name=name or f"level-{seed}")
+    return clip, frames

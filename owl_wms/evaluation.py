@@ -12,9 +12,7 @@ import numpy as np
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from .clips import Clip
-from .data import rollout_episode
-from .simulator import SimConfig
+from .data import level_clip
 
 
 def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
@@ -29,16 +27,13 @@ class Episode:
     """A held-out simulator episode: real frames and actions, history encoded once."""
 
     def __init__(self, pipe, seed: int, frames: int):
-        size = pipe.frame_shape[0]
-        w = pipe.window
-        self.frames, self.mouse, self.buttons = rollout_episode(seed, w + frames, config=SimConfig(width=size, height=size))
-        self.seed, self.window = seed, w
-        self.clip = Clip(pipe.decoder.encode_uint8(self.frames[:w]), torch.from_numpy(self.mouse),
-                         torch.from_numpy(self.buttons), w, name=f"eval-{seed}")
+        self.seed, self.window = seed, pipe.window
+        self.clip, self.frames = level_clip(pipe.decoder, seed, pipe.window, frames, pipe.frame_shape[0],
+                                            name=f"eval-{seed}")
 
     def future(self, k: int):
         i = self.window + k
-        return self.frames[i], self.mouse[i], self.buttons[i]
+        return self.frames[i], self.clip.mouse[i], self.clip.buttons[i]
 
 
 def autoregressive(pipe, ep: Episode, n: int, actions: Episode | None = None) -> list[tuple[float, float]]:

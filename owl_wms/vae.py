@@ -8,6 +8,11 @@ from torch import nn
 from .config import ConfigError, WorldConfig
 
 
+def to_unit(frames_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 images -> float in [-1, 1] (the autoencoders' input range)."""
+    return frames_u8.float() / 127.5 - 1
+
+
 class FrameDecoder(nn.Module):
     """``decode(latents [b,c,h,w]) -> RGB [b,3,H,W] in [-1, 1]`` around any diffusers autoencoder."""
 
@@ -40,7 +45,7 @@ class FrameDecoder(nn.Module):
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != torch.uint8:
             raise ValueError(f"frames have shape {tuple(frames.shape)} and dtype {frames.dtype}; "
                              "expected uint8 [n, H, W, 3]")
-        images = frames.permute(0, 3, 1, 2).float() / 127.5 - 1
+        images = to_unit(frames.permute(0, 3, 1, 2))
         return torch.cat([self.encode(c).cpu() for c in images.split(chunk)])
 
     forward = decode

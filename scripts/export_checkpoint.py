@@ -19,10 +19,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from owl_wms.clips import Clip
 from owl_wms.config import load_config
-from owl_wms.data import rollout_episode
-from owl_wms.simulator import SimConfig
+from owl_wms.data import level_clip
 
 CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,000,000..) seeds
 
@@ -60,12 +58,11 @@ def main(argv=None):
     clip_dir = world.resolve(world.pipeline.clips)
     shutil.rmtree(clip_dir, ignore_errors=True)
     clip_dir.mkdir(parents=True)
-    w = world.pipeline.window_frames
-    size = world.model.sample_size * 8
+    c, s = world.model.channels, world.model.sample_size
+    size = coder.decode(torch.zeros(1, c, s, s)).shape[-1]  # frame size the decoder produces
     for i in range(args.clips):
-        frames, mouse, buttons = rollout_episode(CLIP_SEED + i, w + args.future, config=SimConfig(width=size, height=size))
-        Clip(coder.encode_uint8(frames[:w]), torch.from_numpy(mouse), torch.from_numpy(buttons), w) \
-            .save(clip_dir / f"clip_{i:02d}.safetensors")
+        clip, _ = level_clip(coder, CLIP_SEED + i, world.pipeline.window_frames, args.future, size)
+        clip.save(clip_dir / f"clip_{i:02d}.safetensors")
 
     train = json.loads((Path(args.world) / "train_metrics.json").read_text())
     vae_metrics = json.loads((Path(args.vae) / "metrics.json").read_text())

@@ -17,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 from owl_wms.training import load_training_state, save_training_state, warmup_cosine
-from owl_wms.training.vae import build_autoencoder, load_frames, psnr, to_unit, vae_loss
+from owl_wms.training.vae import build_autoencoder, load_frames, psnr, vae_loss
+from owl_wms.vae import to_unit
 
 
 def main(argv=None):

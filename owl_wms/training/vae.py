@@ -22,10 +22,6 @@ def load_frames(folder: str | Path, limit: int | None = None) -> torch.Tensor:
     return torch.cat(chunks).permute(0, 3, 1, 2).contiguous()
 
 
-def to_unit(frames_u8: torch.Tensor) -> torch.Tensor:
-    return frames_u8.float() / 127.5 - 1
-
-
 def build_autoencoder(latent_channels: int, width: int = 64) -> AutoencoderTiny:
     blocks = (width,) * 4  # three 2x stages: 64x64 frames <-> 8x8 latents
     return AutoencoderTiny(latent_channels=latent_channels, encoder_block_out_channels=blocks,
