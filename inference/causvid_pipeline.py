@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from owl_wms.cache import StaticCache
+from owl_wms.cache import QuantizedStaticCache, build_cache, describe_plan, plan_layers
 from owl_wms.clips import Clip, list_clips, load_clip
 from owl_wms.config import WorldConfig, load_config
 from owl_wms.loading import build_model, load_weights, read_state_dict
-from owl_wms.settings import Settings
+from owl_wms.settings import KVSettings, Settings
 from owl_wms.vae import FrameDecoder, load_decoder
 
 from .profiler import KVProfiler
@@ -64,7 +64,12 @@ class CausvidPipeline:
         self.core = self.model.core
         self.decoder = decoder.to(self.device).eval() if decoder is not None else None
         self.generator = torch.Generator().manual_seed(s.seed)
+        # The per-layer cache plan is built (and checked against the model) at start-up.
+        self.kv_plan = plan_layers(self.cfg, s.kv, self.window) if s.kv_cache != "none" else None
         self.profiler = KVProfiler(s.device, s.profile_kv_first, s.profile_kv_every) if s.profile_kv else None
+        if self.profiler and not s.compile:  # compiled blocks cannot be timed from outside
+            for block in self.core.transformer.blocks:
+                self.profiler.instrument(block.attn, "attend_out", "attn")
         self.ground_truth = ground_truth
         self.cache = None
         self._recompute = None  # no-cache baseline state (OWL_KV_CACHE=none)
@@ -99,8 +104,11 @@ class CausvidPipeline:
         n = sum(p.numel() for p in self.model.parameters())
         label = "" if self.world.trained else " UNTRAINED (random weights: frames show noise)"
         sched = ">".join(f"{t:g}" for t in self.schedule)
-        return (f"[owl] world={self.world.name}{label} params={n / 1e6:.1f}M window={self.window} "
+        text = (f"[owl] world={self.world.name}{label} params={n / 1e6:.1f}M window={self.window} "
                 f"alpha={self.alpha} schedule={sched} | {self.settings.describe()}")
+        if self.kv_plan is not None and self.settings.kv != KVSettings():
+            text += f"\n[owl] kv plan: {describe_plan(self.kv_plan)}"
+        return text
 
     @property
     def clip_paths(self) -> list[Path]:
@@ -171,8 +179,13 @@ class CausvidPipeline:
             self.cache = None
             self._recompute = {"x": x, "t": t, "mouse": m, "buttons": b, "start": 0}
         else:
-            self.cache = StaticCache(self.cfg, max_length=self.window, batch_size=1,
-                                     device=self.device, dtype=self.settings.dtype)
+            if self.cache is None:
+                self.cache = build_cache(self.cfg, self.settings, self.window)
+                if self.profiler and isinstance(self.cache, QuantizedStaticCache):
+                    self.profiler.instrument(self.cache, "_encode", "quant")
+                    self.profiler.instrument(self.cache, "_decode", "dequant")
+            else:
+                self.cache.reset(1)
             self.cache.enable_cache_updates()
             self.core(x, t, m, b, kv_cache=self.cache)
             self.cache.disable_cache_updates()
@@ -274,5 +287,5 @@ class CausvidPipeline:
         frame = self.decode(self.generate(mouse, buttons))
         if self.profiler:
             self.profiler.mark("decoder")
-            self.profiler.frame(self.kv_bytes)
+            self.profiler.frame(self.kv_bytes, getattr(self.cache, "scale_nbytes", 0))
         return frame, time.perf_counter() - start

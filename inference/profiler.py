@@ -1,5 +1,9 @@
 """Per-frame profile lines (OWL_PROFILE_KV). Lives outside the forward pass; when the
-setting is off the pipeline never constructs one, so nothing is timed or synchronised."""
+setting is off the pipeline never constructs one, so nothing is timed or synchronised.
+
+Sections inside a frame (quantize, dequantize, attention) are timed by wrapping those
+methods on the live objects (``instrument``) - the model and cache code know nothing of it.
+"""
 from __future__ import annotations
 
 import resource
@@ -19,6 +23,21 @@ class KVProfiler:
         self.device, self.first, self.every, self.print = device, first, every, printer
         self.frames = 0
         self.marks: list[tuple[str, float]] = []
+        self.sections: dict[str, float] = {}  # name -> ms accumulated since start()
+
+    def instrument(self, obj, method: str, section: str):
+        """Replace obj.method with a timed wrapper that adds to ``section`` (instance only)."""
+        inner = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            self.sync()
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.sync()
+            self.sections[section] = self.sections.get(section, 0.0) + (time.perf_counter() - t0) * 1000
+            return out
+
+        setattr(obj, method, timed)
 
     def sync(self):
         if self.device.startswith("cuda"):
@@ -27,6 +46,7 @@ class KVProfiler:
     def start(self):
         self.sync()
         self.marks = [("start", time.perf_counter())]
+        self.sections = {}
 
     def mark(self, name: str):
         self.sync()
@@ -40,9 +60,9 @@ class KVProfiler:
         s = self._spans()[-1][1] / 1000
         self.print(f"[KV-Profile] prefill_s={s:.3f} kv_bytes={kv_bytes} peak_mem_mb={peak_memory_mb(self.device):.1f}")
 
-    def frame(self, kv_bytes: int):
+    def frame(self, kv_bytes: int, scale_bytes: int = 0):
         self.frames += 1
         if self.frames <= self.first or self.frames % self.every == 0:
-            parts = " ".join(f"{n}_ms={ms:.2f}" for n, ms in self._spans())
-            self.print(f"[KV-Profile] frame={self.frames} {parts} kv_bytes={kv_bytes} "
+            parts = " ".join(f"{n}_ms={ms:.2f}" for n, ms in [*self._spans(), *self.sections.items()])
+            self.print(f"[KV-Profile] frame={self.frames} {parts} kv_bytes={kv_bytes} kv_scale_bytes={scale_bytes} "
                        f"peak_mem_mb={peak_memory_mb(self.device):.1f}")

@@ -59,14 +59,20 @@ def _flex_eager(q, k, v, bm, scale):
     return flex_attention(q, k, v, block_mask=bm, scale=scale)
 
 
-def attend(q, k, v, tpf: int, window: int | None, backend: str):
-    """q: [b,h,Tq,dh], k/v: [b,h,Tk,dh]; query frames are the last Tq/tpf key frames."""
+def attend(q, k, v, tpf: int, window: int | None, backend: str, mask=None):
+    """q: [b,h,Tq,dh], k/v: [b,h,Tk,dh]; query frames are the last Tq/tpf key frames.
+
+    ``mask`` (a boolean [Tq or 1, Tk] from a ring cache read in place) replaces the
+    chronological rule: the keys are then slots in any order.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if mask is not None:  # ring warm-up only; SDPA takes the dense mask on every backend
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     n_q, n_k = q.shape[2] // tpf, k.shape[2] // tpf
     # Tail-only read: drop key frames no query can see (exact; saves work on local layers).
     if window is not None and n_k - n_q - (window - 1) > 0:
         drop = n_k - n_q - (window - 1)
         k, v, n_k = k[:, :, drop * tpf:], v[:, :, drop * tpf:], n_k - drop
-    scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "flex":
         bm = block_mask(n_q, n_k, tpf, window, str(q.device))
         if q.device.type == "cpu":
@@ -90,20 +96,24 @@ class Attention(nn.Module):
         q, k = F.rms_norm(q, (q.shape[-1],)), F.rms_norm(k, (k.shape[-1],))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def project_q(self, x, cos, sin):
+        """Queries only (a layer that borrows another layer's K/V): the first third of qkv."""
+        d = x.shape[-1]
+        q = rearrange(F.linear(x, self.qkv.weight[:d], self.qkv.bias[:d]), "b t (h d) -> b h t d", h=self.n_heads)
+        return apply_rope(F.rms_norm(q, (q.shape[-1],)), cos, sin)
+
     def with_cache(self, k, v, kv_cache):
-        """Eager cache bookkeeping: write this call's K/V (when enabled) and read the window."""
+        """Eager cache bookkeeping: write this call's K/V (when enabled) and read the window
+        (plus a slot mask for ring caches read in place)."""
         if kv_cache is None:
-            return k, v
-        if kv_cache.should_update:
-            kv_cache.update(k, v, self.layer)
-            return kv_cache.get(self.layer)
-        return kv_cache.get(self.layer, new_k=k, new_v=v)
+            return k, v, None
+        return kv_cache.attend_window(self.layer, k, v)
 
     def effective_window(self, window_cap: int | None) -> int | None:
         if window_cap is None:
             return self.window
         return window_cap if self.window is None else min(self.window, window_cap)
 
-    def attend_out(self, q, k, v, window: int | None, backend: str):
-        y = attend(q, k, v, self.tpf, window, backend)
+    def attend_out(self, q, k, v, window: int | None, backend: str, mask=None):
+        y = attend(q, k, v, self.tpf, window, backend, mask)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))

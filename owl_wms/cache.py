@@ -8,9 +8,15 @@ Contract used by attention (ARCHITECTURE Part 3): ``should_update``,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 
 from .config import ModelConfig
+from .layouts import FrameStore, Layout, RingLayout, make_layout
+from .quant import Quantizer, ScalePolicy, make_codec
+from .settings import KVSettings, SettingsError
 
 
 class StaticCache:
@@ -91,6 +97,16 @@ class StaticCache:
         self.lengths[layer] = length + n
         self.offsets[layer] += n
 
+    def borrows(self, layer: int) -> bool:
+        return False
+
+    def attend_window(self, layer: int, k, v):
+        """What attention reads for this call's K/V: (keys, values, mask or None)."""
+        if self.should_update:
+            self.update(k, v, layer)
+            return (*self.get(layer), None)
+        return (*self.get(layer, new_k=k, new_v=v), None)
+
     def get(self, layer: int, new_k=None, new_v=None):
         """Chronological K/V; with new_k/new_v, the window as if they were appended (no mutation)."""
         length = self.lengths[layer]
@@ -111,3 +127,354 @@ class StaticCache:
             self.k[i][:, :, :keep] = self.k[i][:, :, self.lengths[i] - keep:self.lengths[i]].clone()
             self.v[i][:, :, :keep] = self.v[i][:, :, self.lengths[i] - keep:self.lengths[i]].clone()
             self.lengths[i] = keep
+
+
+# -- the quantized family --------------------------------------------------------------------
+class RingGuardError(RuntimeError):
+    """A cache invariant failed (OWL_RING_GUARD): offsets, write pointer or scale alignment."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    owner: int  # the layer whose K/V this one reads (itself unless it borrows, OWL_KV_SHARE)
+    window: int  # frames a query of this layer sees, itself included
+    capacity: int  # frames stored by an owner
+    k: tuple[str, ScalePolicy]  # (codec, scale policy)
+    v: tuple[str, ScalePolicy]
+
+    def describe(self) -> str:
+        def one(codec, policy):
+            return codec if codec == "bf16" else f"{codec}/{policy.describe()}"
+        own = f"reads L{self.owner}" if self.owner != self.layer else f"K={one(*self.k)} V={one(*self.v)}"
+        return f"{own} window={self.window} slots={self.capacity}"
+
+
+def plan_layers(config: ModelConfig, kv: KVSettings, window_frames: int) -> list[LayerPlan]:
+    """Per-layer codecs, scales, windows, capacities and sharing groups from the settings."""
+    n, layout = config.n_layers, kv.ring_mode
+    if kv.late_layers is not None and kv.late_layers > n:
+        raise SettingsError(f"OWL_KV_LATE_LAYERS={kv.late_layers} exceeds the model's {n} layers")
+    if kv.share > n:
+        raise SettingsError(f"OWL_KV_SHARE={kv.share} exceeds the model's {n} layers")
+    windows = [min(config.layer_window(i) or window_frames, window_frames) for i in range(n)]
+    first_quantized = n - (kv.late_layers or n)
+    plans = []
+    for i in range(n):
+        owner = i - i % kv.share
+        group = range(owner, min(owner + kv.share, n))
+        # Roll/pointer keep the original's W frames per layer; inplace stores what the group sees.
+        capacity = max(windows[j] for j in group) if layout == "inplace" else window_frames
+        quant = i >= first_quantized
+        pol_k = ScalePolicy(kv.scale_k, None, kv.ema, kv.smooth)
+        pol_v = ScalePolicy(kv.scale_v, kv.v_percentile, kv.ema, kv.smooth)
+        plans.append(LayerPlan(i, owner, windows[i], capacity, (kv.fmt_k if quant else "bf16", pol_k),
+                               (kv.fmt_v if quant else "bf16", pol_v)))
+    return plans
+
+
+def describe_plan(plans: list[LayerPlan]) -> str:
+    """Consecutive layers with the same plan collapse into one group: 'L0-3: ...; L4: ...'."""
+    groups = []
+    for p in plans:
+        text = p.describe().replace(f"L{p.owner}", "owner") if p.owner != p.layer else p.describe()
+        if groups and groups[-1][2] == text:
+            groups[-1][1] = p.layer
+        else:
+            groups.append([p.layer, p.layer, text])
+    return "; ".join(f"L{a}" + (f"-{b}" if b != a else "") + f": {t}" for a, b, t in groups)
+
+
+class QuantizedStaticCache:
+    """The StaticCache contract over any codec x scale policy x layout, plus sharing and guards.
+
+    Per owner layer, a ``FrameStore`` holds K and V ``[b, h, C, tpf, dh/pack]`` and their
+    scales in the same frame slots. Every layout returns the same window as the bf16 roll
+    cache (up to quantization): a query of layer i sees its last ``window`` frames, itself
+    included, and a read-only call passes its own K/V through the codec exactly as a write
+    would, so all layouts of one codec return the same window bit for bit.
+    """
+
+    def __init__(self, config: ModelConfig, plans: list[LayerPlan], layout: str = "roll", batch_size: int = 1,
+                 device="cpu", dtype=torch.bfloat16, tail_only: bool = True, scratch: bool = True,
+                 guard: int = 0):
+        self.config, self.plans = config, plans
+        self.tpf = config.tokens_per_frame
+        self.max_frames = max(p.capacity for p in plans)
+        self.layout = make_layout(layout, scratch)
+        self.tail_only, self.guard = tail_only, guard
+        self.device, self.dtype = torch.device(device), dtype
+        self.should_update = False
+        self.checksum_log: list[tuple[int, int, float]] = []  # (frame, layer, max |diff|) vs a bf16 shadow
+        self.reset(batch_size)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def reset(self, batch_size: int = 1):
+        c = self.config
+        self.batch_size = batch_size
+        self.stores: dict[int, FrameStore] = {}
+        self.quant: dict[int, tuple[Quantizer, Quantizer]] = {}
+        for p in self.plans:
+            if p.owner != p.layer:
+                continue
+            kq, vq = Quantizer(make_codec(p.k[0]), p.k[1]), Quantizer(make_codec(p.v[0]), p.v[1])
+            shapes, dtypes = {}, {}
+            for name, q in (("k", kq), ("v", vq)):
+                shapes[name] = (batch_size, c.n_heads, p.capacity, self.tpf, q.codec.stored_dim(c.head_dim))
+                dtypes[name] = q.codec.storage_dtype(self.dtype)
+                if q.quantized:
+                    shapes[f"{name}_scale"] = (batch_size, c.n_heads, p.capacity,
+                                               *q.policy.scale_shape(self.tpf, c.head_dim))
+                    dtypes[f"{name}_scale"] = self.dtype
+            self.stores[p.layer] = FrameStore(p.capacity, shapes, dtypes, self.device)
+            self.quant[p.layer] = (kq, vq)
+        self._shared: dict[int, tuple] = {}  # owner -> (k, v, in place?) of its latest call
+        # Tail-only reads: an owner reads what the widest reader of its group can see.
+        self._group_window = {i: max(q.window for q in self.plans if q.owner == i) for i in self.stores}
+        self._lends = {i: any(q.owner == i and q.layer != i for q in self.plans) for i in self.stores}
+        self._tokens_seen = {i: 0 for i in self.stores}  # guard: independent tally of written tokens
+        self.shadow = StaticCache(c, self.max_frames, batch_size, self.device, torch.float32) if self.guard > 1 else None
+        self.checksum_log = []
+        return self
+
+    def enable_cache_updates(self):
+        self.should_update = True
+
+    def disable_cache_updates(self):
+        self.should_update = False
+
+    def to(self, device=None, dtype=None):
+        if dtype is not None and dtype != self.dtype:
+            raise ValueError("a quantized cache keeps its compute dtype; build a new one (reset) for another dtype")
+        self.device = torch.device(device) if device is not None else self.device
+        for s in self.stores.values():
+            s.to(self.device)
+        return self
+
+    @property
+    def shape(self):
+        return tuple(self.stores[0].bufs["k"].shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.stores.values())
+
+    @property
+    def scale_nbytes(self) -> int:
+        return sum(s.nbytes(("k_scale", "v_scale")) for s in self.stores.values())
+
+    def borrows(self, layer: int) -> bool:
+        return self.plans[layer].owner != layer
+
+    def get_offset(self, layer: int = 0) -> int:
+        return self.stores[self.plans[layer].owner].written * self.tpf
+
+    def n_frames(self, layer: int = 0) -> int:
+        return self.stores[self.plans[layer].owner].length
+
+    def quant_stats(self) -> dict:
+        """Saturated / non-finite counts of everything quantized so far (reading them syncs)."""
+        total = {"values": 0, "saturated": 0, "nonfinite": 0}
+        for kq, vq in self.quant.values():
+            for q in (kq, vq):
+                if q.quantized:
+                    for key, val in q.stats().items():
+                        total[key] += val
+        return total
+
+    # -- encode / decode ---------------------------------------------------------------------
+    def _frames(self, t):
+        b, h, n, d = t.shape
+        return t.view(b, h, n // self.tpf, self.tpf, d)
+
+    def _encode(self, layer, k, v, commit):
+        kq, vq = self.quant[layer]
+        items = {}
+        for name, q, x in (("k", kq, k), ("v", vq, v)):
+            data, scale = q.encode(self._frames(x), commit, self.dtype)
+            items[name] = data
+            if scale is not None:
+                items[f"{name}_scale"] = scale
+        return items
+
+    def _decode(self, layer, items):
+        kq, vq = self.quant[layer]
+        out = []
+        for name, q in (("k", kq), ("v", vq)):
+            x = q.decode(items[name], items.get(f"{name}_scale"), self.dtype)
+            b, h, f, t, d = x.shape
+            out.append(x.reshape(b, h, f * t, d))
+        return out
+
+    def _check(self, layer, new_k, new_v):
+        c = self.config
+        b, h, n, d = new_k.shape
+        if (b, h, d) != (self.batch_size, c.n_heads, c.head_dim) or new_v.shape != new_k.shape:
+            raise ValueError(f"cache write of k{tuple(new_k.shape)} v{tuple(new_v.shape)} does not match the "
+                             f"cache (batch {self.batch_size}, heads {c.n_heads}, head dim {c.head_dim})")
+        if n % self.tpf:
+            raise ValueError(f"cache write of {n} tokens: must be whole frames ({self.tpf} tokens each)")
+        if self.borrows(layer):
+            raise ValueError(f"layer {layer} reads layer {self.plans[layer].owner}'s K/V (OWL_KV_SHARE); "
+                             "it has no cache of its own")
+        return n // self.tpf
+
+    def _history(self, layer, new_frames):
+        """How many stored frames a call with ``new_frames`` new frames reads (tail-only rule)."""
+        store = self.stores[layer]
+        if not self.tail_only:
+            return min(store.length, store.capacity - min(new_frames, store.capacity))
+        return min(store.length, self._group_window[layer] - 1, store.capacity - min(new_frames, store.capacity))
+
+    # -- contract ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self, new_k, new_v, layer: int):
+        n = self._check(layer, new_k, new_v)
+        self._write(layer, self._encode(layer, new_k, new_v, commit=True), n, new_k, new_v)
+
+    def _write(self, layer, items, n, raw_k, raw_v):
+        store = self.stores[layer]
+        before = store.written
+        self.layout.write(store, items, n)
+        if self.shadow is not None:
+            self.shadow.update(raw_k.float(), raw_v.float(), layer)
+        if self.guard:
+            self._tokens_seen[layer] += n * self.tpf
+            self._guard(layer, before)
+
+    def get(self, layer: int, new_k=None, new_v=None):
+        """Chronological, dequantized K/V a query of this layer sees; with new_k/new_v, as if
+        they were appended (nothing is written)."""
+        layer = self.plans[layer].owner
+        if new_k is None:
+            store = self.stores[layer]
+            frames = store.length if not self.tail_only else min(store.length, self._group_window[layer])
+            return self._decode(layer, self.layout.read(store, frames))
+        n = self._check(layer, new_k, new_v)
+        hist = self._decode(layer, self.layout.read(self.stores[layer], self._history(layer, n)))
+        new = self._decode(layer, self._encode(layer, new_k, new_v, commit=False))
+        return torch.cat([hist[0], new[0]], dim=2), torch.cat([hist[1], new[1]], dim=2)
+
+    def attend_window(self, layer: int, k=None, v=None):
+        """(keys, values, mask) for this layer's attention; writes the call's K/V when updates are on.
+
+        Chronological layouts (and any multi-frame call) return time-ordered K/V ending with
+        this call's frames. ``inplace`` single-frame calls put the frame into its ring slot and
+        return the whole ring: attention is order-invariant over keys (K is stored after RoPE),
+        so the only thing it needs is a mask over empty or out-of-window slots (None when full).
+        """
+        p = self.plans[layer]
+        if p.owner != layer:
+            keys, values, pending = self._shared[p.owner]
+            return keys, values, None if pending is None else self._ring_mask(layer, pending)
+        n = self._check(layer, k, v)
+        store = self.stores[layer]
+        items = self._encode(layer, k, v, commit=self.should_update)
+        if self.layout.in_place and n == 1:
+            # The frame takes the slot the next write would use: empty, or the oldest frame,
+            # which no query of this group can see any more (capacity = the group's window).
+            if self.should_update:
+                self._write(layer, items, 1, k, v)
+            else:
+                for name, item in items.items():
+                    Layout._put(store, name, item, self.layout.pointer(store), store.written)
+                if store.length == store.capacity:
+                    store.length -= 1  # the oldest frame's slot now holds this call's (scratch) frame
+            keys, values = self._decode(layer, store.bufs)
+            out = (keys, values, not self.should_update)
+            mask = self._ring_mask(layer, out[2])
+        else:
+            hist = self._decode(layer, self.layout.read(store, self._history(layer, n)))
+            new = self._decode(layer, items)
+            if self.should_update:
+                self._write(layer, items, n, k, v)
+            keys, values = torch.cat([hist[0], new[0]], dim=2), torch.cat([hist[1], new[1]], dim=2)
+            out, mask = (keys, values, None), None
+        if self.shadow is not None:
+            self._checksum(layer, keys, values, out[2], k, v)
+        if self._lends[layer]:
+            self._shared[layer] = out
+        return keys, values, mask
+
+    def _visible_frames(self, layer: int, pending: bool) -> range:
+        """Absolute frames a single-frame query of ``layer`` sees in the ring after its call."""
+        store, window = self.stores[self.plans[layer].owner], self.plans[layer].window
+        cur = store.written if pending else store.written - 1
+        present = store.length + (1 if pending else 0)
+        return range(cur - min(present, window) + 1, cur + 1)
+
+    def _ring_mask(self, layer: int, pending: bool):
+        store = self.stores[self.plans[layer].owner]
+        frames = self._visible_frames(layer, pending)
+        if len(frames) == store.capacity:
+            return None  # steady state: every slot is visible, attention needs no mask
+        slots = tuple(sorted(f % store.capacity for f in frames))
+        return _slot_mask(store.capacity, self.tpf, slots, str(self.device))
+
+    @torch.no_grad()
+    def truncate(self, frames: int):
+        """Forget the oldest ``frames`` frames of every layer (positions keep counting)."""
+        for store in self.stores.values():
+            self.layout.forget(store, frames)
+        if self.shadow is not None:
+            self.shadow.truncate(frames)
+
+    # -- guards (OWL_RING_GUARD) ---------------------------------------------------------------
+    def _guard(self, layer: int, written_before: int):
+        store = self.stores[layer]
+        offset = self.get_offset(layer)
+        if offset < written_before * self.tpf or offset != self._tokens_seen[layer]:
+            raise RingGuardError(f"layer {layer}: offset {offset} is not the {self._tokens_seen[layer]} tokens written")
+        if isinstance(self.layout, RingLayout) and self.layout.pointer(store) != (offset // self.tpf) % store.capacity:
+            raise RingGuardError(f"layer {layer}: write pointer {self.layout.pointer(store)} != offset mod capacity")
+        first = store.written - store.length
+        expect = torch.full((store.capacity,), -1, dtype=torch.int64)
+        for f in range(first, store.written):
+            expect[self.layout.slot_of(store, f)] = f
+        for name, tags in store.tags.items():
+            valid = expect >= 0
+            if not torch.equal(tags[valid], expect[valid]):
+                bad = int((tags != expect)[valid].nonzero()[0, 0])
+                raise RingGuardError(f"layer {layer}: slot {bad} of {name!r} holds frame {int(tags[bad])}, expected "
+                                     f"frame {int(expect[bad])} (its tokens' frame): {name} moved apart from the data")
+
+    def _checksum(self, layer, keys, values, pending, k, v):
+        """Compare the assembled window with the bf16 shadow's for the first N frames."""
+        frame = self.stores[layer].written
+        if frame >= self.guard - 1 + self.max_frames:
+            self.shadow = None  # done: the shadow costs a full bf16 cache
+            return
+        if pending is None:
+            ref_k, ref_v = self.shadow.get(layer) if self.should_update else self.shadow.get(layer, k.float(), v.float())
+            n = keys.shape[2]
+            ref_k, ref_v = ref_k[:, :, -n:], ref_v[:, :, -n:]
+        else:  # ring order -> compare slot by slot against the shadow's frames
+            store = self.stores[layer]
+            ref = self.shadow.get(layer) if self.should_update else self.shadow.get(layer, k.float(), v.float())
+            frames = self._visible_frames(layer, pending)
+            pick = torch.cat([torch.arange(f % store.capacity * self.tpf, (f % store.capacity + 1) * self.tpf)
+                              for f in frames])
+            keys, values = keys[:, :, pick], values[:, :, pick]
+            ref_k, ref_v = ref[0][:, :, -len(pick):], ref[1][:, :, -len(pick):]
+        diff = max((keys.float() - ref_k).abs().max().item(), (values.float() - ref_v).abs().max().item())
+        self.checksum_log.append((frame, layer, diff))
+
+
+@lru_cache(maxsize=256)
+def _slot_mask(capacity: int, tpf: int, slots: tuple, device: str) -> torch.Tensor:
+    mask = torch.zeros(capacity, dtype=torch.bool)
+    mask[list(slots)] = True
+    return mask.repeat_interleave(tpf)[None].to(device)  # [1, C*tpf]: broadcast over queries
+
+
+def build_cache(config: ModelConfig, settings, window_frames: int, batch_size: int = 1):
+    """The cache the settings ask for: None (OWL_KV_CACHE=none), the plain bf16 roll
+    ``StaticCache``, or a ``QuantizedStaticCache`` with its per-layer plan."""
+    if settings.kv_cache == "none":
+        return None
+    kv = settings.kv
+    if kv == KVSettings():
+        return StaticCache(config, window_frames, batch_size, settings.device, settings.dtype)
+    plans = plan_layers(config, kv, window_frames)
+    return QuantizedStaticCache(config, plans, kv.ring_mode, batch_size, settings.device, settings.dtype,
+                                tail_only=kv.tail_only, scratch=kv.ring_scratch, guard=kv.guard)

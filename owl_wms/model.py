@@ -124,20 +124,30 @@ class DiTBlock(nn.Module):
     def pre_attention(self, x, cond, cos, sin):
         return self.attn.project(self.adaln1(x, cond), cos, sin)
 
-    def post_attention(self, x, cond, q, k, v, window: int | None, backend: str):
-        x = x + self.gate1(self.attn.attend_out(q, k, v, window, backend), cond)
+    def pre_attention_q(self, x, cond, cos, sin):
+        return self.attn.project_q(self.adaln1(x, cond), cos, sin)
+
+    def post_attention(self, x, cond, q, k, v, mask, window: int | None, backend: str):
+        x = x + self.gate1(self.attn.attend_out(q, k, v, window, backend, mask), cond)
         return x + self.gate2(self.mlp(self.adaln2(x, cond)), cond)
 
     def forward(self, x, cond, rope, kv_cache, backend, window_cap):
-        q, k, v = self._pre(x, cond, *rope)
-        k, v = self.attn.with_cache(k, v, kv_cache)
-        return self._post(x, cond, q, k, v, self.attn.effective_window(window_cap), backend)
+        if kv_cache is not None and kv_cache.borrows(self.attn.layer):
+            # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
+            q = self._pre_q(x, cond, *rope)
+            k, v, mask = kv_cache.attend_window(self.attn.layer)
+        else:
+            q, k, v = self._pre(x, cond, *rope)
+            k, v, mask = self.attn.with_cache(k, v, kv_cache)
+        return self._post(x, cond, q, k, v, mask, self.attn.effective_window(window_cap), backend)
 
     _pre = pre_attention
+    _pre_q = pre_attention_q
     _post = post_attention
 
     def compile_halves(self, **kwargs):
         self._pre = torch.compile(self.pre_attention, **kwargs)
+        self._pre_q = torch.compile(self.pre_attention_q, **kwargs)
         self._post = torch.compile(self.post_attention, **kwargs)
 
 

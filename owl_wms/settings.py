@@ -52,7 +52,42 @@ def _device(text: str) -> str:
     raise ValueError
 
 
+def _float(lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        v = float(str(text).strip())
+        if not (lo < v if lo_open else lo <= v) or not v <= hi or v != v:
+            raise ValueError
+        return v
+    parse.accepted = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    return parse
+
+
+def _ema(text: str):
+    t = str(text).strip().lower()
+    if t == "max":
+        return None  # running max
+    v = float(t)
+    if not 0 <= v < 1:
+        raise ValueError
+    return v
+
+
+def _guard(text: str) -> int:
+    """0 off, 1 invariants, checksum[:N] invariants + a bf16 shadow for N frames (-> N + 1)."""
+    t = str(text).strip().lower()
+    if t in ("checksum", "checksum:"):
+        return 1 + 16
+    if t.startswith("checksum:"):
+        n = int(t[9:])
+        if n < 1:
+            raise ValueError
+        return 1 + n
+    return int(_bool(t))
+
+
 _bool.accepted = "0|1 (or true|false)"
+_ema.accepted = "max (running max) or an EMA momentum in [0, 1)"
+_guard.accepted = "0|1|checksum|checksum:N (N frames of a bf16 shadow cache)"
 _device.accepted = "cpu|cuda|cuda:N|auto"
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
            "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
@@ -77,11 +112,118 @@ FLAGS: tuple[Flag, ...] = (
     Flag("OWL_ATTN_SDPA_DECODE", "attn_sdpa_decode", _bool, False, "use SDPA for per-frame decode"),
     Flag("OWL_KV_CACHE", "kv_cache", _choice("static", "none"), "static",
          "static: bf16 roll cache; none: recompute without a cache (correctness baseline)"),
+    # Quantized cache family (ARCHITECTURE Part 3); None defaults mean "not set".
+    Flag("OWL_FP8_KV", "fp8_kv", _bool, None, "quantize the KV cache (storage: OWL_KV_STORAGE, default fp8_e4m3)"),
+    Flag("OWL_K_FP8", "k_fp8", _bool, None, "0 keeps keys in bf16 while values are quantized"),
+    Flag("OWL_KV_LATE_LAYERS", "kv_late_layers", _int(1), None, "quantize only the last N layers"),
+    Flag("OWL_KV_STORAGE", "kv_storage", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
+         "storage codec of K and V"),
+    Flag("OWL_KV_BITS", "kv_bits", _choice("8", "4"), None, "8: int8, 4: int4 (when OWL_KV_STORAGE is unset)"),
+    Flag("OWL_KV_FMT_K", "kv_fmt_k", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
+         "codec of keys (overrides OWL_KV_STORAGE)"),
+    Flag("OWL_KV_FMT_V", "kv_fmt_v", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
+         "codec of values (overrides OWL_KV_STORAGE)"),
+    Flag("OWL_KV_SCALE", "kv_scale", _choice("token", "head", "channel"), None,
+         "scale granularity (channel: keys per channel, values per token)"),
+    Flag("OWL_KV_EMA", "kv_ema", _ema, None, "per-head scales: running max or EMA momentum"),
+    Flag("OWL_V_PERCENTILE", "v_percentile", _float(50, 100, lo_open=True), None,
+         "value scales from this percentile of |v| instead of the max"),
+    Flag("OWL_V_PER_CHANNEL", "v_per_channel", _bool, None, "per-channel scales for values too"),
+    Flag("OWL_SCALE_SMOOTH", "scale_smooth", _float(0, 1), None,
+         "temporal smoothing: scale_t = max(scale_t, a * scale_t-1)"),
+    Flag("OWL_RING_MODE", "ring_mode", _choice("roll", "pointer", "inplace"), None, "cache layout"),
+    Flag("OWL_RING_GUARD", "ring_guard", _guard, None, "check cache invariants (checksum: bf16 shadow)"),
+    Flag("OWL_RING_SCRATCH", "ring_scratch", _bool, None, "pointer layout: gather into preallocated buffers"),
+    Flag("OWL_KV_TAIL_ONLY", "kv_tail_only", _bool, None, "local layers read only their window"),
+    Flag("OWL_KV_SHARE", "kv_share", _int(1), None, "cross-layer sharing: groups of N layers share K/V"),
     Flag("OWL_PROFILE_KV", "profile_kv", _bool, False, "print per-frame timings and memory"),
     Flag("OWL_PROFILE_KV_FIRST", "profile_kv_first", _int(0), 3, "profile lines for the first N frames"),
     Flag("OWL_PROFILE_KV_EVERY", "profile_kv_every", _int(1), 30, "then one profile line every N frames"),
 )
 KNOWN = {f.env: f for f in FLAGS}
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """The cache plan's inputs, resolved and checked for contradictions."""
+    fmt_k: str = "bf16"
+    fmt_v: str = "bf16"
+    late_layers: int | None = None  # quantize only the last N layers (None: all)
+    scale_k: str = "token"
+    scale_v: str = "token"
+    ema: float | None = None  # per-head scales: None = running max
+    v_percentile: float | None = None
+    smooth: float = 0.0
+    ring_mode: str = "roll"
+    guard: int = 0  # 0 off, 1 invariants, N > 1: invariants + bf16 shadow for N - 1 frames
+    ring_scratch: bool = True
+    tail_only: bool = True
+    share: int = 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt_k != "bf16" or self.fmt_v != "bf16"
+
+    @classmethod
+    def resolve(cls, v: dict, source: Callable[[str], str], kv_cache: str) -> "KVSettings":
+        """``v``: parsed flag values (None = unset); ``source(field)`` names where a value came from."""
+        def clash(fields, why):
+            raise SettingsError(" and ".join(source(f) for f in fields) + f" contradict: {why}")
+
+        storage, bits, fp8 = v["kv_storage"], v["kv_bits"], v["fp8_kv"]
+        if storage and bits and (storage == "int4") != (bits == "4"):
+            clash(("kv_storage", "kv_bits"), f"{storage} is not a {bits}-bit format; set only one of them")
+        base = storage or {"8": "int8", "4": "int4", None: None}[bits] or ("fp8_e4m3" if fp8 else "bf16")
+        fmt_k, fmt_v = v["kv_fmt_k"] or base, v["kv_fmt_v"] or base
+        if fp8 is False:
+            for f in ("kv_storage", "kv_bits", "kv_fmt_k", "kv_fmt_v"):
+                if v[f] not in (None, "bf16"):
+                    clash(("fp8_kv", f), "the first turns quantization off, the second asks for it")
+        if v["k_fp8"] is False:
+            if v["kv_fmt_k"] not in (None, "bf16"):
+                clash(("k_fp8", "kv_fmt_k"), "keys cannot be both bf16 and quantized")
+            fmt_k = "bf16"
+        scale = v["kv_scale"] or "token"
+        scale_k, scale_v = scale, "token" if scale == "channel" else scale
+        if v["v_per_channel"]:
+            scale_v = "channel"
+        quantized = fmt_k != "bf16" or fmt_v != "bf16"
+        for f in ("kv_scale", "kv_ema", "v_percentile", "v_per_channel", "scale_smooth", "kv_late_layers", "k_fp8"):
+            if v[f] is not None and not quantized:
+                clash((f, "kv_storage"), "a quantization option is set but K and V are stored in bf16; "
+                      "set OWL_FP8_KV=1 or OWL_KV_STORAGE")
+        if v["kv_ema"] is not None and "head" not in (scale_k if fmt_k != "bf16" else "", scale_v):
+            clash(("kv_ema", "kv_scale"), "an EMA applies to per-head scales only (OWL_KV_SCALE=head)")
+        if v["v_percentile"] is not None and fmt_v == "bf16":
+            clash(("v_percentile", "kv_fmt_v"), "values are not quantized")
+        ring = v["ring_mode"] or "roll"
+        if v["ring_scratch"] is not None and ring != "pointer":
+            clash(("ring_scratch", "ring_mode"), "scratch buffers belong to the pointer layout")
+        if kv_cache == "none":
+            for f in ("fp8_kv", "kv_storage", "kv_bits", "kv_fmt_k", "kv_fmt_v", "ring_mode", "ring_guard",
+                      "ring_scratch", "kv_tail_only", "kv_share"):
+                if v[f] is not None:
+                    clash((f, "kv_cache"), "there is no cache to configure")
+        return cls(fmt_k=fmt_k, fmt_v=fmt_v, late_layers=v["kv_late_layers"], scale_k=scale_k, scale_v=scale_v,
+                   ema=v["kv_ema"], v_percentile=v["v_percentile"], smooth=v["scale_smooth"] or 0.0,
+                   ring_mode=ring, guard=v["ring_guard"] or 0,
+                   ring_scratch=True if v["ring_scratch"] is None else v["ring_scratch"],
+                   tail_only=True if v["kv_tail_only"] is None else v["kv_tail_only"], share=v["kv_share"] or 1)
+
+    def describe(self) -> str:
+        parts = [f"layout={self.ring_mode}"]
+        if self.quantized:
+            parts.append(f"K={self.fmt_k}" + (f"/{self.scale_k}" if self.fmt_k != "bf16" else ""))
+            parts.append(f"V={self.fmt_v}" + (f"/{self.scale_v}" if self.fmt_v != "bf16" else ""))
+            if self.late_layers:
+                parts.append(f"late={self.late_layers}")
+        if self.share > 1:
+            parts.append(f"share={self.share}")
+        if not self.tail_only:
+            parts.append("tail_only=0")
+        if self.guard:
+            parts.append("guard=" + ("1" if self.guard == 1 else f"checksum:{self.guard - 1}"))
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -96,6 +238,7 @@ class Settings:
     profile_kv: bool = False
     profile_kv_first: int = 3
     profile_kv_every: int = 30
+    kv: KVSettings = KVSettings()
 
     @classmethod
     def resolve(cls, inference: Mapping | None = None, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -108,7 +251,7 @@ class Settings:
         for name in sorted(k for k in environ if k.startswith("OWL_") and k not in KNOWN):
             warnings.warn(f"{name} is not a known OWL_* flag and is ignored; known flags: {', '.join(KNOWN)}",
                           stacklevel=2)
-        values = {}
+        values, sources = {}, {}
         for flag in FLAGS:
             raw, source = flag.default, None
             if flag.field in inference:
@@ -118,14 +261,15 @@ class Settings:
             if source is None:
                 values[flag.field] = raw
                 continue
+            sources[flag.field] = f"{source}={raw!r}" if source == flag.env else f"{source}: {raw!r}"
             try:
                 values[flag.field] = flag.parse(raw)
             except (ValueError, TypeError):
                 raise SettingsError(f"{source}={raw!r} is malformed; accepted values: {flag.parse.accepted}") from None
-        return cls._finish(values)
+        return cls._finish(values, lambda f: sources.get(f, f"{by_field[f].env} (unset)"))
 
     @classmethod
-    def _finish(cls, v: dict) -> "Settings":
+    def _finish(cls, v: dict, source: Callable[[str], str]) -> "Settings":
         device = v["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,7 +281,8 @@ class Settings:
         return cls(device=device, dtype=_DTYPES[v["dtype"]], seed=v["seed"], compile=v["compile"],
                    attn_backend=backend, attn_backend_decode="sdpa" if v["attn_sdpa_decode"] else backend,
                    kv_cache=v["kv_cache"], profile_kv=v["profile_kv"],
-                   profile_kv_first=v["profile_kv_first"], profile_kv_every=v["profile_kv_every"])
+                   profile_kv_first=v["profile_kv_first"], profile_kv_every=v["profile_kv_every"],
+                   kv=KVSettings.resolve(v, source, v["kv_cache"]))
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)
@@ -146,4 +291,5 @@ class Settings:
         dtype = str(self.dtype).replace("torch.", "")
         return (f"device={self.device} dtype={dtype} seed={self.seed} compile={int(self.compile)} "
                 f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
-                f"profile_kv={int(self.profile_kv)}")
+                + (f"[{self.kv.describe()}] " if self.kv_cache != "none" else "")
+                + f"profile_kv={int(self.profile_kv)}")

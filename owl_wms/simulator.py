@@ -41,6 +41,7 @@ class SimConfig:
     tilt_per_px: float = 0.02  # fraction of height per mouse unit
     door_prob: float = 0.12
     switch_prob: float = 0.08
+    supersample: int = 2  # render at this multiple and box-filter down: no aliased mortar/checker speckle
 
 
 @dataclass
@@ -112,7 +113,10 @@ class MazeSim:
         yaw = int(np.argmax(runs)) * np.pi / 2 + float(rng.uniform(-0.3, 0.3))
         self.state = SimState(x=i + 0.5, y=j + 0.5, yaw=float((yaw + np.pi) % (2 * np.pi) - np.pi))
         self.depth = None  # per-column wall distance of the last render
-        h, w = self.cfg.height, self.cfg.width
+        ss = self.cfg.supersample
+        if ss < 1:
+            raise ValueError(f"SimConfig.supersample must be >= 1, got {ss}")
+        h, w = self.cfg.height * ss, self.cfg.width * ss
         self._rows = np.arange(h)[:, None] + 0.5
         self._cols = (np.arange(w) + 0.5) / w * 2 - 1  # -1..1 across the screen
 
@@ -215,10 +219,11 @@ class MazeSim:
 
     def render(self) -> np.ndarray:
         s, c = self.state, self.cfg
-        h, w = c.height, c.width
+        ss = c.supersample
+        h, w = c.height * ss, c.width * ss
         fov = np.radians(c.zoom_fov_deg if s.prev_buttons[RMB] else c.fov_deg)
         dist, mx, my, side, u, ang = self._cast(fov)
-        self.depth, self.fov = dist, fov
+        self.depth, self.fov = dist.reshape(c.width, ss).mean(1), fov
         focal = (w / 2) / np.tan(fov / 2)
         horizon = h / 2 + s.tilt * h + s.recoil * 0.04 * h
         eye = 0.5 + s.z  # eye height in wall units
@@ -257,6 +262,7 @@ class MazeSim:
         light = 0.75 + (0.9 * np.exp(-r2) + 0.25 if s.flashlight else np.zeros_like(r2))
         img = img * light[..., None]
         self._draw_weapon(img)
+        img = img.reshape(c.height, ss, c.width, ss, 3).mean((1, 3))
         return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
 
     def _draw_weapon(self, img: np.ndarray):

@@ -28,7 +28,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--channels", type=int, default=32, help="latent channels (must match model.channels of the world config)")
     p.add_argument("--width", type=int, default=32, help="channels of every encoder/decoder stage")
     p.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 autocast, ~2x faster on CPU)")
     p.add_argument("--held-out", type=int, default=4, help="episodes kept for validation")

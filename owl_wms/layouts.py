@@ -1,0 +1,158 @@
+"""Cache layouts over frame slots (ARCHITECTURE Part 3).
+
+A ``FrameStore`` holds named buffers ``[b, h, C, ...]`` whose dim 2 is a frame slot (K/V data
+``[.., tpf, dh]`` and their scales alike), each with an int64 tag per slot: the absolute frame
+it holds (-1: empty). A layout moves every buffer and its tag with the same code, so a frame's
+scales cannot part from its tokens (the ring bug of the original); guards compare the tags.
+
+    roll     slots in time order; a full store rolls every buffer by the new frames (the original)
+    pointer  ring: frame f lives in slot f % C; reads gather time order with a fixed-shape index
+    inplace  the same ring, read in place by attention (see QuantizedStaticCache.attend_window)
+"""
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = ("roll", "pointer", "inplace")
+
+
+class FrameStore:
+    def __init__(self, capacity: int, shapes: dict[str, tuple], dtypes: dict[str, torch.dtype], device):
+        self.capacity = capacity
+        self.bufs = {n: torch.zeros(shapes[n], dtype=dtypes[n], device=device) for n in shapes}
+        self.tags = {n: torch.full((capacity,), -1, dtype=torch.int64) for n in shapes}
+        self.length = 0  # valid frames
+        self.written = 0  # frames ever written (the next frame's absolute index)
+
+    def nbytes(self, names=None) -> int:
+        return sum(b.numel() * b.element_size() for n, b in self.bufs.items() if names is None or n in names)
+
+    def to(self, device):
+        self.bufs = {n: b.to(device) for n, b in self.bufs.items()}
+
+
+class Layout:
+    name = ""
+    in_place = False  # attention reads the storage as is (no time order)
+
+    def write(self, store: FrameStore, items: dict[str, torch.Tensor], n: int):
+        raise NotImplementedError
+
+    def read(self, store: FrameStore, frames: int) -> dict[str, torch.Tensor]:
+        """The last ``frames`` valid frames of every buffer, oldest first."""
+        raise NotImplementedError
+
+    def slot_of(self, store: FrameStore, frame: int) -> int:
+        """Slot holding absolute frame ``frame`` (valid frames only)."""
+        raise NotImplementedError
+
+    def forget(self, store: FrameStore, frames: int):
+        """Drop the oldest ``frames`` valid frames."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _put(store: FrameStore, name: str, item: torch.Tensor, start: int, first_frame: int):
+        """Write frames item[:, :, i] to slots start + i (contiguous), tags following."""
+        n = item.shape[2]
+        store.bufs[name][:, :, start:start + n] = item
+        store.tags[name][start:start + n] = torch.arange(first_frame, first_frame + n)
+
+
+class RollLayout(Layout):
+    name = "roll"
+
+    def write(self, store, items, n):
+        c = store.capacity
+        m = min(n, c)  # a write longer than the store keeps its last frames
+        first = store.written + n - m
+        if store.length + m > c:
+            shift = store.length + m - c
+            for name in store.bufs:  # the original's cost: the whole store moves every frame
+                store.bufs[name] = torch.roll(store.bufs[name], -shift, dims=2)
+                store.tags[name] = torch.roll(store.tags[name], -shift)
+            store.length -= shift
+        for name, item in items.items():
+            self._put(store, name, item[:, :, n - m:], store.length, first)
+        store.length += m
+        store.written += n
+
+    def read(self, store, frames):
+        lo = store.length - frames
+        return {n: b[:, :, lo:store.length] for n, b in store.bufs.items()}
+
+    def slot_of(self, store, frame):
+        return frame - (store.written - store.length)
+
+    def forget(self, store, frames):
+        keep = max(store.length - frames, 0)
+        for name in store.bufs:
+            b, t = store.bufs[name], store.tags[name]
+            b[:, :, :keep] = b[:, :, store.length - keep:store.length].clone()
+            t[:keep] = t[store.length - keep:store.length].clone()
+            t[keep:] = -1
+        store.length = keep
+
+
+class RingLayout(Layout):
+    """Frame f lives in slot f % C: the write pointer is ``written % C``; nothing ever moves."""
+
+    def __init__(self, name: str = "pointer", scratch: bool = True):
+        self.name, self.in_place, self.scratch = name, name == "inplace", scratch
+        self._index: dict[tuple, torch.Tensor] = {}
+        self._out: dict[tuple, torch.Tensor] = {}
+
+    def pointer(self, store) -> int:
+        return store.written % store.capacity
+
+    def write(self, store, items, n):
+        c = store.capacity
+        m = min(n, c)
+        first = store.written + n - m
+        start = first % c
+        head = min(m, c - start)  # up to the end of the ring, then wrap to slot 0
+        for name, item in items.items():
+            item = item[:, :, n - m:]
+            self._put(store, name, item[:, :, :head], start, first)
+            if head < m:
+                self._put(store, name, item[:, :, head:], 0, first + head)
+        store.length = min(store.length + n, c)
+        store.written += n
+
+    def read(self, store, frames):
+        c = store.capacity
+        start = (store.written - frames) % c
+        key = (c, frames, start)
+        idx = self._index.get(key)
+        if idx is None:  # one small index per (capacity, frames, pointer): a fixed-shape gather
+            idx = self._index[key] = (torch.arange(frames) + start) % c
+        out = {}
+        for name, b in store.bufs.items():
+            i = idx.to(b.device)
+            if self.scratch:
+                shape = (*b.shape[:2], frames, *b.shape[3:])
+                buf = self._out.get((name, id(store), shape))
+                if buf is None or buf.dtype != b.dtype or buf.device != b.device:
+                    buf = self._out[(name, id(store), shape)] = torch.empty(shape, dtype=b.dtype, device=b.device)
+                out[name] = torch.index_select(b, 2, i, out=buf)
+            else:
+                out[name] = torch.index_select(b, 2, i)
+        return out
+
+    def slot_of(self, store, frame):
+        return frame % store.capacity
+
+    def forget(self, store, frames):
+        drop = min(frames, store.length)
+        oldest = store.written - store.length
+        for f in range(oldest, oldest + drop):
+            for t in store.tags.values():
+                t[f % store.capacity] = -1
+        store.length -= drop
+
+
+def make_layout(name: str, scratch: bool = True) -> Layout:
+    if name == "roll":
+        return RollLayout()
+    if name in ("pointer", "inplace"):
+        return RingLayout(name, scratch)
+    raise ValueError(f"unknown cache layout {name!r}; choose one of {LAYOUTS}")

@@ -1,0 +1,228 @@
+"""KV quantization: a storage codec x a scale policy (ARCHITECTURE Part 3).
+
+Every cached tensor is viewed per frame as ``[b, h, frames, tpf, dh]``. A scale policy
+reduces a frame to its scales:
+
+    token    amax over dh            -> [b, h, n, tpf, 1]   (stored beside its token)
+    channel  amax over the frame     -> [b, h, n, 1, dh]    (KIVI-style, for keys)
+    head     amax over the frame     -> [b, h, n, 1, 1]     then a running max or EMA over frames
+
+Scales live in the cache's frame slots, so a layout that moves a frame moves its scales in
+the same operation. A codec stores ``x / scale`` (bf16: no scale at all).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CODECS = ("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
+GRANULARITIES = ("token", "head", "channel")
+
+
+class Codec:
+    """Stores values already divided by their scale; ``qmax`` is the largest storable magnitude."""
+    name: str
+    qmax: float | None = None  # None: stored as is, no scales
+    pack: int = 1  # values per stored element along the head dim
+
+    def stored_dim(self, head_dim: int) -> int:
+        if head_dim % self.pack:
+            raise ValueError(f"{self.name} packs {self.pack} values per byte; head dim {head_dim} is not divisible")
+        return head_dim // self.pack
+
+    def storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        raise NotImplementedError
+
+    def encode(self, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PlainCodec(Codec):
+    name = "bf16"  # "bf16" is the mode's name: values are kept in the cache's compute dtype
+
+    def storage_dtype(self, compute_dtype):
+        return compute_dtype
+
+    def encode(self, y):
+        return y
+
+    def decode(self, q, scale, dtype):
+        return q if q.dtype == dtype else q.to(dtype)
+
+
+class Int8Codec(Codec):
+    name, qmax = "int8", 127.0
+
+    def storage_dtype(self, compute_dtype):
+        return torch.int8
+
+    def encode(self, y):
+        return y.round().clamp_(-self.qmax, self.qmax).to(torch.int8)
+
+    def decode(self, q, scale, dtype):
+        return q * scale.to(dtype)  # int8 x float promotes in one fused kernel
+
+
+class Fp8Codec(Codec):
+    def __init__(self, name: str, dtype: torch.dtype):
+        self.name, self.dtype = name, dtype
+        self.qmax = float(torch.finfo(dtype).max)
+
+    def storage_dtype(self, compute_dtype):
+        return self.dtype
+
+    def encode(self, y):
+        return y.clamp(-self.qmax, self.qmax).to(self.dtype)
+
+    def decode(self, q, scale, dtype):
+        return q.to(dtype) * scale.to(dtype)  # float8 has no type promotion: cast first
+
+
+class Int4Codec(Codec):
+    """Symmetric 4-bit, two values per byte along the head dim (low nibble first), qmax 7."""
+    name, qmax, pack = "int4", 7.0, 2
+
+    def storage_dtype(self, compute_dtype):
+        return torch.uint8
+
+    def encode(self, y):
+        n = (y.round().clamp_(-self.qmax, self.qmax) + 8).to(torch.uint8)
+        return n[..., 0::2] | (n[..., 1::2] << 4)
+
+    def decode(self, q, scale, dtype):
+        n = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)
+        return (n.to(dtype) - 8) * scale.to(dtype)
+
+
+def make_codec(name: str) -> Codec:
+    if name == "bf16":
+        return PlainCodec()
+    if name == "int8":
+        return Int8Codec()
+    if name == "int4":
+        return Int4Codec()
+    if name == "fp8_e4m3":
+        return Fp8Codec(name, torch.float8_e4m3fn)
+    if name == "fp8_e5m2":
+        return Fp8Codec(name, torch.float8_e5m2)
+    raise ValueError(f"unknown KV storage codec {name!r}; choose one of {CODECS}")
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    granularity: str = "token"
+    percentile: float | None = None  # e.g. 99.9: clip at this percentile of |x| instead of amax
+    ema: float | None = None  # head: momentum of an EMA over frames; None = running max
+    smooth: float = 0.0  # temporal smoothing: scale_t = max(scale_t, smooth * scale_{t-1})
+    floor: float = 1e-8  # no zero scales (an all-zero frame stays exactly zero)
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"scale granularity {self.granularity!r} is not one of {GRANULARITIES}")
+        if self.percentile is not None and not 50 < self.percentile <= 100:
+            raise ValueError(f"scale percentile {self.percentile} must be in (50, 100]")
+        if self.ema is not None and not 0 <= self.ema < 1:
+            raise ValueError(f"scale EMA momentum {self.ema} must be in [0, 1)")
+        if not 0 <= self.smooth < 1:
+            raise ValueError(f"scale smoothing {self.smooth} must be in [0, 1)")
+
+    @property
+    def temporal(self) -> bool:
+        """Scales depend on earlier frames (sequential over the frames of a write)."""
+        return self.granularity == "head" or self.smooth > 0
+
+    def scale_shape(self, tpf: int, head_dim: int) -> tuple[int, int]:
+        """Per-frame scale shape (the last two dims)."""
+        return {"token": (tpf, 1), "channel": (1, head_dim), "head": (1, 1)}[self.granularity]
+
+    def describe(self) -> str:
+        parts = [self.granularity]
+        if self.granularity == "head":
+            parts.append("max" if self.ema is None else f"ema{self.ema:g}")
+        if self.percentile is not None:
+            parts.append(f"p{self.percentile:g}")
+        if self.smooth:
+            parts.append(f"smooth{self.smooth:g}")
+        return "/".join(parts)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """|x| statistic per scale group of frames x [b, h, n, tpf, dh] (float32)."""
+        dims = {"token": (-1,), "channel": (-2,), "head": (-2, -1)}[self.granularity]
+        a = x.abs()
+        if self.percentile is None or self.percentile == 100:
+            return a.amax(dim=dims, keepdim=True)
+        keep = list(a.shape)
+        for d in dims:
+            keep[d] = 1
+        moved = a.movedim(dims, tuple(range(-len(dims), 0))).flatten(-len(dims))
+        return torch.quantile(moved, self.percentile / 100, dim=-1).reshape(keep)
+
+
+class Quantizer:
+    """Codec x scale policy for one cached tensor (K or V) of one layer.
+
+    ``encode`` returns stored data and scales for whole frames; temporal policies carry the
+    last committed frame's scale in ``prev`` (advanced only when ``commit``). Counters of
+    saturated and non-finite inputs accumulate as tensors: reading them is the only sync.
+    """
+
+    def __init__(self, codec: Codec, policy: ScalePolicy):
+        self.codec, self.policy = codec, policy
+        self.prev: torch.Tensor | None = None
+        self.saturated = self.nonfinite = self.count = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.codec.qmax is not None
+
+    def describe(self) -> str:
+        return self.codec.name if not self.quantized else f"{self.codec.name}/{self.policy.describe()}"
+
+    def reset(self):
+        self.prev = None
+        self.saturated = self.nonfinite = self.count = 0
+
+    def scales(self, x: torch.Tensor, commit: bool) -> torch.Tensor:
+        p, qmax = self.policy, self.codec.qmax
+        raw = self.policy.reduce(x) / qmax  # [b, h, n, *, *]
+        if not p.temporal:
+            return raw.clamp_min(p.floor)
+        out, prev = [], self.prev
+        for i in range(raw.shape[2]):  # sequential over frames (n is 1 per generated frame)
+            s = raw[:, :, i:i + 1]
+            if prev is not None:
+                if p.granularity == "head":
+                    s = torch.maximum(s, prev) if p.ema is None else p.ema * prev + (1 - p.ema) * s
+                if p.smooth:
+                    s = torch.maximum(s, p.smooth * prev)
+            s = s.clamp_min(p.floor)
+            out.append(s)
+            prev = s
+        if commit:
+            self.prev = prev
+        return torch.cat(out, dim=2)
+
+    def encode(self, x: torch.Tensor, commit: bool = True, scale_dtype: torch.dtype = torch.bfloat16):
+        """x [b, h, n, tpf, dh] -> (stored [b, h, n, tpf, dh/pack], scales or None)."""
+        if not self.quantized:
+            return self.codec.encode(x), None
+        xf = x.float()
+        scale = self.scales(xf, commit).to(scale_dtype)
+        y = xf / scale.float()
+        if commit:  # counters describe what entered the cache
+            self.saturated = self.saturated + (y.abs() > self.codec.qmax * 1.01).sum()  # beyond bf16 scale rounding
+            self.nonfinite = self.nonfinite + (~torch.isfinite(xf)).sum()
+            self.count += xf.numel()
+        return self.codec.encode(torch.nan_to_num(y)), scale
+
+    def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return self.codec.decode(q, scale, dtype)
+
+    def stats(self) -> dict:
+        as_int = lambda v: int(v) if not torch.is_tensor(v) else int(v.item())  # noqa: E731
+        return {"values": self.count, "saturated": as_int(self.saturated), "nonfinite": as_int(self.nonfinite)}
+
