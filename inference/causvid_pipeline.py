@@ -79,6 +79,8 @@ class CausvidPipeline:
         # No-cache baseline: each frame's cache-writing input, enough frames to cover the
         # receptive field (n_layers * (W-1) + 1), since deep-layer K/V carry older context.
         self._recompute_frames = self.cfg.n_layers * (self.window - 1) + 1
+        self.verbose = verbose
+        self._guard_reported = False
         if verbose:
             print(self.describe(), flush=True)
         if clip is not None:
@@ -269,6 +271,11 @@ class CausvidPipeline:
             if self.profiler:
                 self.profiler.mark(f"step{i + 1}")
         self.frame_index += commit
+        if self.verbose and not self._guard_reported and hasattr(self.cache, "guard_report"):
+            report = self.cache.guard_report()
+            if report:
+                print(report, flush=True)
+                self._guard_reported = True
         return x
 
     @torch.no_grad()

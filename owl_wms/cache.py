@@ -235,6 +235,7 @@ class QuantizedStaticCache:
         self._tokens_seen = {i: 0 for i in self.stores}  # guard: independent tally of written tokens
         self.shadow = StaticCache(c, self.max_frames, batch_size, self.device, torch.float32) if self.guard > 1 else None
         self.checksum_log = []
+        self._checksum_start = None  # first frame written after the prefill
         return self
 
     def enable_cache_updates(self):
@@ -438,10 +439,21 @@ class QuantizedStaticCache:
                 raise RingGuardError(f"layer {layer}: slot {bad} of {name!r} holds frame {int(tags[bad])}, expected "
                                      f"frame {int(expect[bad])} (its tokens' frame): {name} moved apart from the data")
 
+    def guard_report(self) -> str | None:
+        """One line once the checksum window is over (None before, or without checksum)."""
+        if self.guard < 2 or self.shadow is not None or not self.checksum_log:
+            return None
+        frames = {f for f, _, _ in self.checksum_log}
+        worst = max(self.checksum_log, key=lambda r: r[2])
+        return (f"[owl] ring guard checksum: {len(frames)} frames x {len(self.stores)} layers, max |K/V - bf16 roll| "
+                f"= {worst[2]:.3g} (frame {worst[0]}, layer {worst[1]}); invariants held")
+
     def _checksum(self, layer, keys, values, pending, k, v):
         """Compare the assembled window with the bf16 shadow's for the first N frames."""
         frame = self.stores[layer].written
-        if frame >= self.guard - 1 + self.max_frames:
+        if self._checksum_start is None:
+            self._checksum_start = frame
+        if frame >= self.guard - 1 + self._checksum_start:
             self.shadow = None  # done: the shadow costs a full bf16 cache
             return
         if pending is None:

@@ -1,0 +1,167 @@
+"""What each KV cache mode costs and saves, measured side by side in one run.
+
+    python -m scripts.bench_kv [--frames 12] [--device cpu] [--skip-matrix] [--json out.json]
+
+1. Cache cost per frame at production shapes (16 layers with 4 global, 24 heads, head dim 64,
+   60-frame window, 64 tokens/frame, local window 16): the cache work of one generated frame,
+   i.e. the read-only step 1 and the writing step 2 over every layer (encode, write, read,
+   dequantize), on synthetic K/V, for every layout x codec. Reported as ratios to bf16 roll.
+2. Memory at the same shapes from ``cache.nbytes`` (data + scales), as ratios to bf16 roll.
+3. The v0-v4 matrix of the original KV-cache notes on the shipped world (real pipeline,
+   denoise + decode): no cache, bf16 cache, int8 cache, cross-layer sharing, int8 + sharing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from owl_wms.cache import QuantizedStaticCache, StaticCache, build_cache, plan_layers
+from owl_wms.config import ModelConfig
+from owl_wms.settings import KVSettings, Settings
+
+from .bench_pipeline import PRODUCTION, machine
+
+WINDOW = 60
+CODECS = {  # name -> flags (K+V unless said)
+    "bf16": {},
+    "int8": {"OWL_KV_STORAGE": "int8"},
+    "fp8_e4m3": {"OWL_KV_STORAGE": "fp8_e4m3"},
+    "fp8_e5m2": {"OWL_KV_STORAGE": "fp8_e5m2"},
+    "int4": {"OWL_KV_STORAGE": "int4"},
+    "fp8 V-only": {"OWL_FP8_KV": "1", "OWL_K_FP8": "0"},
+}
+MATRIX = {  # the original notes' v0..v4
+    "v0 no cache": {"OWL_KV_CACHE": "none"},
+    "v1 bf16 cache": {},
+    "v2 int8 cache": {"OWL_KV_STORAGE": "int8"},
+    "v3 sharing (2 layers)": {"OWL_KV_SHARE": "2"},
+    "v4 int8 + sharing": {"OWL_KV_STORAGE": "int8", "OWL_KV_SHARE": "2"},
+}
+
+
+def kv_settings(env: dict) -> Settings:
+    return Settings.resolve({}, env)
+
+
+def make_cache(cfg: ModelConfig, layout: str, env: dict, device, dtype):
+    kv = kv_settings({**env, "OWL_RING_MODE": layout}).kv
+    if kv == KVSettings():
+        return StaticCache(cfg, WINDOW, 1, device, dtype)
+    return QuantizedStaticCache(cfg, plan_layers(cfg, kv, WINDOW), layout, 1, device, dtype,
+                                tail_only=kv.tail_only, scratch=kv.ring_scratch)
+
+
+def cache_cost(cfg, layout, env, frames, device, dtype, sync):
+    """Median ms of the cache work of one frame (both denoising steps, all layers)."""
+    cache = make_cache(cfg, layout, env, device, dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (1, cfg.n_heads, cfg.tokens_per_frame, cfg.head_dim)
+    hist = torch.randn((1, cfg.n_heads, WINDOW * cfg.tokens_per_frame, cfg.head_dim), generator=g,
+                       device=device, dtype=dtype)
+    cache.enable_cache_updates()
+    for layer in range(cfg.n_layers):
+        cache.attend_window(layer, hist, hist)  # prefill: a full window
+    new = [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4)]
+    times = []
+    for f in range(frames + 2):
+        k1, k2 = new[f % 4], new[(f + 1) % 4]
+        sync()
+        t0 = time.perf_counter()
+        cache.disable_cache_updates()
+        for layer in range(cfg.n_layers):
+            cache.attend_window(layer, k1, k1)
+        cache.enable_cache_updates()
+        for layer in range(cfg.n_layers):
+            cache.attend_window(layer, k2, k2)
+        sync()
+        if f >= 2:  # two warm-up frames
+            times.append(time.perf_counter() - t0)
+    nbytes = cache.nbytes
+    del cache
+    gc.collect()
+    return statistics.median(times) * 1000, nbytes
+
+
+def world_matrix(checkpoint, frames, device):
+    from inference.actions import load_actions
+    from inference.causvid_pipeline import CausvidPipeline
+
+    rows = []
+    actions = load_actions("walk_turn", frames + 4)
+    for name, env in MATRIX.items():
+        settings = kv_settings({**env, "OWL_DEVICE": device})
+        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
+        times = []
+        for i in range(frames + 4):
+            mouse, buttons = actions[i]
+            _, seconds = pipe(torch.tensor(mouse), torch.tensor(buttons, dtype=torch.float32))
+            if i >= 4:
+                times.append(seconds)
+        rows.append({"mode": name, "fps": len(times) / sum(times), "median_ms": statistics.median(times) * 1000,
+                     "kv_mib": pipe.kv_bytes / 2**20,
+                     "flags": " ".join(f"{k}={v}" for k, v in env.items()) or "(defaults)"})
+        del pipe
+        gc.collect()
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, default=12, help="measured frames per cache mode")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--skip-matrix", action="store_true", help="skip the v0-v4 matrix on the shipped world")
+    p.add_argument("--checkpoint", default=None, help="world for the v0-v4 matrix (default: the shipped one)")
+    p.add_argument("--matrix-frames", type=int, default=48)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    cfg = ModelConfig.from_mapping({**PRODUCTION, "n_frames": WINDOW})
+    print(f"command: python -m scripts.bench_kv {' '.join(sys.argv[1:])}".rstrip())
+    print(f"torch {torch.__version__}; machine: {machine()}; device {args.device}, {args.dtype}")
+    print(f"production cache shapes: {cfg.n_layers} layers ({cfg.n_layers // cfg.local_idx} global), "
+          f"{cfg.n_heads} heads x {cfg.head_dim}, window {WINDOW} frames x {cfg.tokens_per_frame} tokens, "
+          f"local window {cfg.local_window}")
+
+    results = []
+    for codec, env in CODECS.items():
+        for layout in ("roll", "pointer", "inplace"):
+            ms, nbytes = cache_cost(cfg, layout, env, args.frames, args.device, dtype, sync)
+            results.append({"codec": codec, "layout": layout, "ms": ms, "bytes": nbytes})
+            print(f"  measured {codec:<11} {layout:<8} {ms:8.2f} ms/frame  {nbytes / 2**20:8.1f} MiB", flush=True)
+    base = next(r for r in results if r["codec"] == "bf16" and r["layout"] == "roll")
+    print(f"\nPer-frame cache cost (both steps, all layers), ratio to bf16 roll = {base['ms']:.2f} ms; "
+          "lower is cheaper")
+    print(f"{'codec':<12}" + "".join(f"{lay:>12}" for lay in ("roll", "pointer", "inplace")))
+    for codec in CODECS:
+        cells = [r for r in results if r["codec"] == codec]
+        print(f"{codec:<12}" + "".join(f"{r['ms'] / base['ms']:>12.3f}" for r in cells))
+    print(f"\nMemory (nbytes: data + scales), ratio to bf16 roll = {base['bytes'] / 2**20:.1f} MiB")
+    print(f"{'codec':<12}" + "".join(f"{lay:>12}" for lay in ("roll", "pointer", "inplace")))
+    for codec in CODECS:
+        cells = [r for r in results if r["codec"] == codec]
+        print(f"{codec:<12}" + "".join(f"{r['bytes'] / base['bytes']:>12.3f}" for r in cells))
+
+    out = {"machine": machine(), "torch": torch.__version__, "cache": results}
+    if not args.skip_matrix:
+        rows = world_matrix(args.checkpoint, args.matrix_frames, args.device)
+        print(f"\nv0-v4 on the shipped world ({args.matrix_frames} frames, denoise + decode, walk_turn actions)")
+        print(f"{'mode':<24} {'FPS':>7} {'median ms':>10} {'KV MiB':>8}  flags")
+        for r in rows:
+            print(f"{r['mode']:<24} {r['fps']:>7.2f} {r['median_ms']:>10.1f} {r['kv_mib']:>8.2f} "
+                  f"{r['flags']}")
+        out["matrix"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
