@@ -67,10 +67,19 @@ class Int8Codec(Codec):
         return q * scale.to(dtype)  # int8 x float promotes in one fused kernel
 
 
+def _lut_decode(lut: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Decode bytes through a 256-entry table ([256] or [256, k] values per byte), then scale."""
+    vals = torch.index_select(lut.to(q.device, dtype), 0, q.reshape(-1).view(torch.uint8).int())
+    per_byte = lut.shape[1] if lut.ndim == 2 else 1
+    return vals.view(*q.shape[:-1], q.shape[-1] * per_byte) * scale.to(dtype)
+
+
 class Fp8Codec(Codec):
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype
         self.qmax = float(torch.finfo(dtype).max)
+        # On CPU a table lookup beats the e4m3 cast (measured ~2x); CUDA casts natively.
+        self.lut = torch.nan_to_num(torch.arange(256, dtype=torch.uint8).view(dtype).float())
 
     def storage_dtype(self, compute_dtype):
         return self.dtype
@@ -79,6 +88,8 @@ class Fp8Codec(Codec):
         return y.clamp(-self.qmax, self.qmax).to(self.dtype)
 
     def decode(self, q, scale, dtype):
+        if q.device.type == "cpu" and self.dtype == torch.float8_e4m3fn:
+            return _lut_decode(self.lut, q, scale, dtype)
         return q.to(dtype) * scale.to(dtype)  # float8 has no type promotion: cast first
 
 
@@ -93,9 +104,11 @@ class Int4Codec(Codec):
         n = (y.round().clamp_(-self.qmax, self.qmax) + 8).to(torch.uint8)
         return n[..., 0::2] | (n[..., 1::2] << 4)
 
+    # byte -> (low nibble, high nibble) as signed values: one lookup unpacks both
+    lut = torch.stack(((torch.arange(256) & 15) - 8, (torch.arange(256) >> 4) - 8), dim=-1).float()
+
     def decode(self, q, scale, dtype):
-        n = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)
-        return (n.to(dtype) - 8) * scale.to(dtype)
+        return _lut_decode(self.lut, q, scale, dtype)
 
 
 def make_codec(name: str) -> Codec:

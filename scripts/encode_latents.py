@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ def main(argv=None):
     coder = FrameDecoder(ae, ae.config.latent_channels)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
     episodes = sorted(Path(args.data).glob("ep_*.safetensors"))
     if not episodes:
         raise SystemExit(f"error: no episodes in {args.data}; run scripts.generate_data first")
@@ -48,7 +50,8 @@ def main(argv=None):
         save_file({"latents": lat.contiguous(), "mouse": t["mouse"], "buttons": t["buttons"]}, str(tmp), metadata=meta)
         os.replace(tmp, final)
     sample = torch.cat([load_file(str(p))["latents"] for p in sorted(out.glob("ep_*.safetensors"))[:64]])
-    stats = {"vae_scale": float(sample.std()), "mean": float(sample.mean()), "channels": int(sample.shape[1])}
+    stats = {"vae_scale": float(sample.std()), "mean": float(sample.mean()), "channels": int(sample.shape[1]),
+             "seconds_this_run": time.time() - t0}
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     print(f"encoded {len(episodes)} episodes; vae_scale={stats['vae_scale']:.4f}")
 

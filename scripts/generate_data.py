@@ -10,7 +10,9 @@ each file is written to a temporary name and renamed, so a stopped run leaves no
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = SimConfig(width=args.size, height=args.size)
+    t0 = time.time()
     todo = [s for s in range(args.seed, args.seed + args.episodes) if not (out / f"ep_{s:06d}.safetensors").exists()]
     for level in tqdm(todo, desc="episodes", unit="ep", initial=args.episodes - len(todo), total=args.episodes):
         frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg)
@@ -40,6 +43,9 @@ def main(argv=None):
         save_file({"frames": torch.from_numpy(frames), "mouse": torch.from_numpy(mouse),
                    "buttons": torch.from_numpy(buttons)}, str(tmp), metadata={"level_seed": str(level)})
         os.replace(tmp, final)
+    (out / "manifest.json").write_text(json.dumps({
+        "episodes": args.episodes, "frames": args.frames, "size": args.size, "first_seed": args.seed,
+        "supersample": cfg.supersample, "seconds_this_run": time.time() - t0}, indent=2))
     print(f"{args.episodes} episodes of {args.frames} frames in {out}")
 
 

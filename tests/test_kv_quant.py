@@ -353,3 +353,30 @@ def test_contradictions_and_malformed_flags_fail_with_the_reason(env, match):
 def test_plan_checks_the_model():
     with pytest.raises(SettingsError, match="OWL_KV_LATE_LAYERS=9 exceeds the model's 4 layers"):
         plan_layers(tiny_config(), kv(OWL_KV_STORAGE="int8", OWL_KV_LATE_LAYERS=9), 5)
+
+
+def test_profile_lines_time_quantization_and_attention_only_when_on(capsys):
+    cfg = tiny_config()
+    settings = kv(OWL_KV_STORAGE="int8", OWL_RING_MODE="inplace")
+    model = random_model(cfg)
+    pipe = CausvidPipeline(model, None, tiny_world(cfg), fp32_settings(kv=settings, profile_kv=True), verbose=True)
+    g = torch.Generator().manual_seed(1)
+    pipe.prefill(torch.randn(5, 8, 4, 4, generator=g), torch.randn(5, 2, generator=g), torch.zeros(5, 11))
+    pipe.profiler.start()
+    pipe.generate(torch.zeros(2), torch.zeros(11))
+    pipe.profiler.mark("decoder")
+    pipe.profiler.frame(pipe.kv_bytes, pipe.cache.scale_nbytes)
+    out = capsys.readouterr().out
+    assert "kv plan: L0: K=int8/token V=int8/token window=5 slots=5; L1-3:" in out
+    line = [x for x in out.splitlines() if x.startswith("[KV-Profile] frame=1")][0]
+    for field in ("step1_ms", "step2_ms", "quant_ms", "dequant_ms", "attn_ms", "kv_bytes", "kv_scale_bytes=", "peak_mem_mb"):
+        assert field in line
+    # Off: nothing is wrapped, so the forward pass carries no timing code at all.
+    quiet = CausvidPipeline(random_model(cfg), None, tiny_world(cfg), fp32_settings(kv=settings), verbose=False)
+    assert quiet.profiler is None and "attend_out" not in vars(quiet.core.transformer.blocks[0].attn)
+
+
+def test_guard_checksum_report_is_printed_once(capsys):
+    cfg = tiny_config()
+    _, pipe = rollout(cfg, kv(OWL_KV_STORAGE="int8", OWL_RING_GUARD="checksum:3"), 6)
+    assert pipe.cache.guard_report().startswith("[owl] ring guard checksum: 3 frames x 4 layers")
