@@ -61,6 +61,9 @@ class CausvidPipeline:
             # Only the transformer is compiled: RoPE angles and cache bookkeeping run eagerly
             # around it, so decode shapes are static and nothing recompiles per frame.
             self.model.core.transformer.compile(dynamic=False)
+            if verbose and s.device == "cpu" and "flex" in (s.attn_backend, s.attn_backend_decode):
+                print("[owl] compile: FlexAttention stays eager on CPU (inductor's CPU lowering fails for these "
+                      "shapes); the rest of every block is compiled", flush=True)
         self.core = self.model.core
         self.decoder = decoder.to(self.device).eval() if decoder is not None else None
         self.generator = torch.Generator().manual_seed(s.seed)
@@ -80,6 +83,7 @@ class CausvidPipeline:
         # receptive field (n_layers * (W-1) + 1), since deep-layer K/V carry older context.
         self._recompute_frames = self.cfg.n_layers * (self.window - 1) + 1
         self.verbose = verbose
+        self.last_velocity = None
         self._guard_reported = False
         if verbose:
             print(self.describe(), flush=True)
@@ -268,6 +272,7 @@ class CausvidPipeline:
             t = self._dev(torch.full((1, 1), sched[i]))
             v = self._velocity(x, t, m, b, write=commit and i == len(sched) - 2)
             x = x - (sched[i] - sched[i + 1]) * v
+            self.last_velocity = v  # the last step's prediction (A/B runs compare it)
             if self.profiler:
                 self.profiler.mark(f"step{i + 1}")
         self.frame_index += commit

@@ -24,6 +24,7 @@ class KVProfiler:
         self.frames = 0
         self.marks: list[tuple[str, float]] = []
         self.sections: dict[str, float] = {}  # name -> ms accumulated since start()
+        self.last: dict[str, float] = {}
 
     def instrument(self, obj, method: str, section: str):
         """Replace obj.method with a timed wrapper that adds to ``section`` (instance only)."""
@@ -62,6 +63,7 @@ class KVProfiler:
 
     def frame(self, kv_bytes: int, scale_bytes: int = 0):
         self.frames += 1
+        self.last = {**dict(self._spans()), **self.sections}  # this frame's ms by section
         if self.frames <= self.first or self.frames % self.every == 0:
             parts = " ".join(f"{n}_ms={ms:.2f}" for n, ms in [*self._spans(), *self.sections.items()])
             self.print(f"[KV-Profile] frame={self.frames} {parts} kv_bytes={kv_bytes} kv_scale_bytes={scale_bytes} "

@@ -177,7 +177,7 @@ def describe_plan(plans: list[LayerPlan]) -> str:
     """Consecutive layers with the same plan collapse into one group: 'L0-3: ...; L4: ...'."""
     groups = []
     for p in plans:
-        text = p.describe().replace(f"L{p.owner}", "owner") if p.owner != p.layer else p.describe()
+        text = p.describe()
         if groups and groups[-1][2] == text:
             groups[-1][1] = p.layer
         else:

@@ -49,17 +49,20 @@ class ExplorerPolicy:
 
 
 def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None,
-                    config: SimConfig | None = None):
+                    config: SimConfig | None = None, then: list | None = None):
     """frames uint8 [n, H, W, 3], mouse float32 [n, 2], buttons float32 [n, 11];
-    frame i is what the simulator shows after action i."""
+    frame i is what the simulator shows after action i. ``then`` (a list of (mouse, buttons))
+    continues the episode after the policy's ``frames`` with given actions (n grows by len(then))."""
     sim = MazeSim(level_seed, config)
     sim.render()
     policy = ExplorerPolicy(level_seed * 7 + 1 if policy_seed is None else policy_seed)
-    out = np.empty((frames, sim.cfg.height, sim.cfg.width, 3), dtype=np.uint8)
-    mouse = np.empty((frames, 2), dtype=np.float32)
-    buttons = np.empty((frames, 11), dtype=np.float32)
-    for i in range(frames):
-        m, b = policy.act(sim)
+    then = list(then or [])
+    n = frames + len(then)
+    out = np.empty((n, sim.cfg.height, sim.cfg.width, 3), dtype=np.uint8)
+    mouse = np.empty((n, 2), dtype=np.float32)
+    buttons = np.empty((n, 11), dtype=np.float32)
+    for i in range(n):
+        m, b = policy.act(sim) if i < frames else then[i - frames]
         out[i] = sim.step(m, b)
         mouse[i], buttons[i] = m, b
     return out, mouse, buttons

@@ -31,7 +31,8 @@ def test_rollout_writes_exactly_n_h264_frames(tmp_path):
     r = run("--headless", "--frames", "12", "--out", str(out), "--actions", "walk_turn")
     assert r.returncode == 0, r.stderr
     assert count_frames(out) == 12 and read_frames(out).shape == (12, 256, 256, 3)
-    assert "UNTRAINED" in r.stdout and "pipeline" in r.stdout and "total" in r.stdout
+    assert "world=maze-world params=" in r.stdout and "UNTRAINED" not in r.stdout  # the shipped, trained default
+    assert "pipeline" in r.stdout and "total" in r.stdout
     assert not list(tmp_path.glob(".*partial*"))
 
 
@@ -127,7 +128,11 @@ def test_ground_truth_replays_clip_actions_and_restart_repeats():
 def test_ground_truth_exhaustion_is_a_clear_error_and_keeps_the_video(tmp_path):
     from owl_wms.clips import Clip, load_clip
 
-    src = load_clip(REPO / "checkpoints" / "untrained-tiny" / "clips" / "clip_00.safetensors", 16, 8)
+    from inference.causvid_pipeline import DEFAULT_CHECKPOINT
+    from owl_wms.config import load_config
+
+    model = load_config(DEFAULT_CHECKPOINT / "config.yaml").model
+    src = load_clip(DEFAULT_CHECKPOINT / "clips" / "clip_00.safetensors", model.channels, model.sample_size)
     n = src.history_frames + 3
     Clip(src.latents, src.mouse[:n], src.buttons[:n], src.history_frames).save(tmp_path / "short.safetensors")
     out = tmp_path / "gt.mp4"

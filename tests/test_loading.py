@@ -86,14 +86,19 @@ def test_config_errors_are_specific(tmp_path):
         load_config(tmp_path / "b.yaml")
 
 
-def test_default_checkpoint_loads_and_matches_its_config():
-    ckpt = REPO / "checkpoints" / "untrained-tiny"
-    model, decoder = owl_wms.from_pretrained(ckpt / "config.yaml", ckpt / "model.safetensors", return_decoder=True)
+@pytest.mark.parametrize("name, trained", [("maze-world", True), ("untrained-tiny", False)])
+def test_shipped_checkpoints_load_and_match_their_config(name, trained):
+    from inference.causvid_pipeline import DEFAULT_CHECKPOINT
     from owl_wms.config import load_config
 
+    ckpt = REPO / "checkpoints" / name
+    model, decoder = owl_wms.from_pretrained(ckpt / "config.yaml", ckpt / "model.safetensors", return_decoder=True)
     world = load_config(ckpt / "config.yaml")
-    assert model.config == world.model and not world.trained
+    assert model.config == world.model and world.trained == trained
     assert decoder.decode(torch.zeros(1, world.model.channels, 8, 8)).shape == (1, 3, 64, 64)
+    assert (DEFAULT_CHECKPOINT.name == name) == trained  # the trained world is the default
+    size_mb = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**20
+    assert size_mb <= 60
 
 
 ORIGINAL_YAML = """

@@ -1,0 +1,399 @@
+"""A/B runs: the same rollout under several KV-cache modes, compared in one report.
+
+    python -m scripts.ab_kv --variant fp8_kv --variant fp8_v_only --variant int8_kv \\
+        --variant sharing --variant ring_inplace --variant "mine:OWL_KV_BITS=4,OWL_K_FP8=0" \\
+        --world-seed 1000200 --frames 64 --out eval/ab
+
+Variants are presets from configs/kv_presets.yaml or inline ``name:FLAG=V,FLAG=V`` sets. The
+bf16 roll baseline always runs first. Every variant runs in its own process (flags, compile
+caches and memory cannot leak) on identical inputs: checkpoint, history (a clip or a fresh
+simulator level), actions and noise seed. Starting from a simulator level also compares
+with the simulator's frames under the same actions.
+
+Writes <out>/report.md, metrics.csv, psnr_ssim.png, latency.png, memory.png and one
+side-by-side mp4 per variant (baseline | variant | 4x difference). Exits 1 when a variant
+crashed; the report still covers the others and says which failed and why.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = REPO / "configs" / "kv_presets.yaml"
+DEFAULT_VARIANTS = ["fp8_kv", "fp8_v_only", "int8_kv", "int4_v_only", "sharing", "ring_inplace"]
+LATE = {"quarter": 0.25, "half": 0.5, "three_quarters": 0.75}
+WARMUP = 2  # frames before timing and recompile counting
+
+
+# -- variants ----------------------------------------------------------------------------------
+def parse_variant(spec: str, presets: dict) -> tuple[str, dict]:
+    if ":" in spec:
+        name, _, flags = spec.partition(":")
+        env = {}
+        for item in filter(None, flags.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip().startswith("OWL_"):
+                raise SystemExit(f"error: --variant {spec!r}: {item!r} is not FLAG=VALUE with an OWL_* flag; "
+                                 "write name:OWL_FP8_KV=1,OWL_K_FP8=0")
+            env[key.strip()] = value.strip()
+        return name.strip() or "variant", env
+    if spec not in presets:
+        raise SystemExit(f"error: --variant {spec!r} is neither a preset ({', '.join(presets)}) nor name:FLAG=V,...")
+    return spec, {k: str(v) for k, v in presets[spec].items()}
+
+
+def resolve_late(env: dict, n_layers: int) -> dict:
+    late = env.get("OWL_KV_LATE_LAYERS")
+    if late in LATE:
+        env = {**env, "OWL_KV_LATE_LAYERS": str(max(1, round(n_layers * LATE[late])))}
+    return env
+
+
+# -- health (no reference) ---------------------------------------------------------------------
+def health(frame: np.ndarray) -> dict:
+    """Mean brightness (0..1), sharpness (variance of the Laplacian of grey), colour histogram."""
+    f = frame.astype(np.float32) / 255
+    grey = f.mean(-1)
+    lap = grey[1:-1, 1:-1] * 4 - grey[:-2, 1:-1] - grey[2:, 1:-1] - grey[1:-1, :-2] - grey[1:-1, 2:]
+    hist = np.concatenate([np.histogram(f[..., c], bins=16, range=(0, 1))[0] for c in range(3)]).astype(np.float64)
+    return {"brightness": float(f.mean()), "sharpness": float(lap.var()), "hist": hist / hist.sum()}
+
+
+def unhealthy(h: dict, ref: dict) -> bool:
+    """Black, blown-out, or flat frames relative to the history the rollout started from."""
+    return (h["brightness"] < 0.4 * ref["brightness"] or h["brightness"] > 2.0 * ref["brightness"]
+            or h["sharpness"] < 0.1 * ref["sharpness"] or float(np.abs(h["hist"] - ref["hist"]).sum()) > 1.5)
+
+
+# -- worker (one variant, its own process) -------------------------------------------------------
+def worker(spec_path: Path):
+    spec = json.loads(spec_path.read_text())
+    out = spec_path.parent
+    try:
+        from safetensors.torch import save_file
+        from torch._dynamo.utils import counters
+        from tqdm import tqdm
+
+        from inference.causvid_pipeline import CausvidPipeline
+        from inference.profiler import peak_memory_mb
+        from owl_wms.config import load_config
+        from owl_wms.settings import Settings
+
+        cfg_path = Path(spec["checkpoint"]) / "config.yaml"
+        settings = Settings.resolve(load_config(cfg_path).inference)  # this process's OWL_* flags
+        settings = settings.replace(profile_kv=True, profile_kv_first=0, profile_kv_every=10**9)
+        pipe = CausvidPipeline.from_checkpoint(spec["checkpoint"], settings=settings, clip=None, verbose=False)
+        if spec.get("world_seed") is not None:
+            pipe.load_world(spec["world_seed"], future=0)
+        else:
+            pipe.load_clip(spec["clip"])
+        if spec.get("fault") == "nan_scale":  # test-only: values read back through a broken (0/0) scale
+            read = pipe.cache.attend_window
+            pipe.cache.attend_window = lambda layer, k=None, v=None: (lambda r: (r[0], r[1] * float("nan"), r[2]))(
+                read(layer, k, v))
+        history = pipe.decoder.decode(pipe.clip.latents[-4:].to(pipe.device) * pipe.vae_scale)
+        np.save(out / "history.npy", ((history.permute(0, 2, 3, 1) + 1) * 127.5).round().clamp(0, 255)
+                .to(torch.uint8).cpu().numpy())
+        frames, velocities, timings = [], [], []
+        graphs = None
+        for i, (mouse, buttons) in enumerate(tqdm(spec["actions"], desc=spec["name"], unit="frame", file=sys.stderr)):
+            if i == WARMUP:
+                graphs = counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            pipe.profiler.start()
+            frame = pipe.decode(pipe.generate(mouse, buttons))
+            pipe.profiler.mark("decoder")
+            pipe.profiler.frame(pipe.kv_bytes)
+            timings.append({"total": (time.perf_counter() - t0) * 1000, **pipe.profiler.last})
+            frames.append(frame.numpy())
+            velocities.append(pipe.last_velocity.float().cpu())
+        np.save(out / "frames.npy", np.stack(frames))
+        save_file({"velocity": torch.cat(velocities).contiguous()}, str(out / "velocity.safetensors"))
+        (out / "result.json").write_text(json.dumps({
+            "settings": pipe.settings.describe(), "kv_bytes": pipe.kv_bytes,
+            "recompiles": counters["stats"]["unique_graphs"] - (graphs or 0), "peak_mem_mb": peak_memory_mb(
+                pipe.settings.device), "timings": timings}, indent=1))
+    except BaseException as e:  # noqa: BLE001 - every failure is reported by the parent
+        (out / "error.txt").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        raise SystemExit(1)
+
+
+# -- parent ------------------------------------------------------------------------------------
+def run_variant(name, env, spec, folder: Path) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in ("error.txt", "result.json"):
+        (folder / stale).unlink(missing_ok=True)
+    (folder / "spec.json").write_text(json.dumps({**spec, "name": name}))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OWL_")}
+    child_env = {**clean, **env, "OWL_SEED": str(spec["seed"])}
+    with open(folder / "log.txt", "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--worker", str(folder / "spec.json")],
+                            cwd=REPO, env=child_env, stdout=log, stderr=None).returncode
+    if rc != 0 or not (folder / "result.json").is_file():
+        err = (folder / "error.txt").read_text() if (folder / "error.txt").is_file() else (folder / "log.txt").read_text()
+        return {"name": name, "env": env, "error": err.strip().splitlines()[0] if err.strip() else f"exit code {rc}",
+                "detail": err}
+    res = json.loads((folder / "result.json").read_text())
+    from safetensors.torch import load_file
+
+    res.update(name=name, env=env, frames=np.load(folder / "frames.npy"), history=np.load(folder / "history.npy"),
+               velocity=load_file(str(folder / "velocity.safetensors"))["velocity"])
+    return res
+
+
+def frame_metrics_batch(a: np.ndarray, b: np.ndarray):
+    from owl_wms.evaluation import frame_metrics
+
+    return [frame_metrics(x, y) for x, y in zip(a, b)]
+
+
+def analyse(res: dict, base: dict, real: np.ndarray | None):
+    n = len(res["frames"])
+    vs_base = frame_metrics_batch(res["frames"], base["frames"])
+    vs_sim = frame_metrics_batch(res["frames"], real) if real is not None else [(np.nan, np.nan)] * n
+    drift = (res["velocity"] - base["velocity"]).flatten(1).norm(dim=1).tolist()
+    ref = health(res["history"][-1])
+    ref["brightness"] = float(np.mean([health(h)["brightness"] for h in res["history"]]))
+    hs = [health(f) for f in res["frames"]]
+    res["per_frame"] = [{
+        "frame": i + 1, "psnr_vs_base": vs_base[i][0], "ssim_vs_base": vs_base[i][1], "psnr_vs_sim": vs_sim[i][0],
+        "ssim_vs_sim": vs_sim[i][1], "velocity_drift": drift[i], "brightness": hs[i]["brightness"],
+        "sharpness": hs[i]["sharpness"], "hist_dist": float(np.abs(hs[i]["hist"] - ref["hist"]).sum()),
+        "unhealthy": int(unhealthy(hs[i], ref)),
+        **{f"ms_{k}": v for k, v in res["timings"][i].items()}} for i in range(n)]
+    below = next((r["frame"] for r in res["per_frame"] if r["psnr_vs_base"] < 30), None)
+    timed = [t["total"] for t in res["timings"][WARMUP:]] or [t["total"] for t in res["timings"]]
+    mean = lambda key: float(np.mean([min(r[key], 100.0) for r in res["per_frame"]]))  # noqa: E731
+    res["summary"] = {
+        "psnr_vs_base": mean("psnr_vs_base"), "ssim_vs_base": mean("ssim_vs_base"), "first_below_30db": below,
+        "psnr_vs_sim": mean("psnr_vs_sim"), "ssim_vs_sim": mean("ssim_vs_sim"),
+        "drift_mean": float(np.mean(drift)), "drift_last": drift[-1], "unhealthy_frames": sum(
+            r["unhealthy"] for r in res["per_frame"]), "brightness": mean("brightness"), "sharpness": mean("sharpness"),
+        "median_ms": statistics.median(timed), "p95_ms": float(np.percentile(timed, 95)),
+        "step1_ms": statistics.median(t.get("step1", np.nan) for t in res["timings"][WARMUP:] or res["timings"]),
+        "step2_ms": statistics.median(t.get("step2", np.nan) for t in res["timings"][WARMUP:] or res["timings"]),
+        "decoder_ms": statistics.median(t.get("decoder", np.nan) for t in res["timings"][WARMUP:] or res["timings"]),
+        "kv_mib": res["kv_bytes"] / 2**20, "peak_mem_mb": res["peak_mem_mb"], "recompiles": res["recompiles"]}
+
+
+def write_report(out: Path, results: list, failed: list, header: list[str]):
+    ok = results
+    lines = [*header, ""]
+
+    def table(title, cols, best=None):
+        lines.extend([f"## {title}", "", "| variant | " + " | ".join(c[0] for c in cols) + " |",
+                      "|---|" + "---|" * len(cols)])
+        cands = [r for r in ok if r["name"] != "baseline"]
+        winner = None
+        if best and cands:
+            key, sign = best
+            winner = max(cands, key=lambda r: sign * (r["summary"][key] if r["summary"][key] == r["summary"][key]
+                                                      else -1e9))["name"]
+        for r in ok:
+            mark = " 🏆" if r["name"] == winner else ""
+            cells = []
+            for _, key, fmt in cols:
+                v = r["summary"][key]
+                cells.append("-" if v is None or (isinstance(v, float) and v != v) else format(v, fmt))
+            lines.append(f"| {r['name']}{mark} | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    table("Quality (means over frames; identical frames count as 100 dB)",
+          [("PSNR vs baseline", "psnr_vs_base", ".2f"), ("SSIM vs baseline", "ssim_vs_base", ".4f"),
+           ("first frame < 30 dB", "first_below_30db", ""), ("PSNR vs simulator", "psnr_vs_sim", ".2f"),
+           ("SSIM vs simulator", "ssim_vs_sim", ".4f"), ("velocity drift (mean L2)", "drift_mean", ".4f"),
+           ("velocity drift (last)", "drift_last", ".4f")], best=("psnr_vs_base", 1))
+    table("Health (no reference)", [("unhealthy frames", "unhealthy_frames", "d"), ("brightness", "brightness", ".3f"),
+                                    ("sharpness", "sharpness", ".5f")])
+    table("Speed (ms per frame after warm-up)",
+          [("median", "median_ms", ".1f"), ("p95", "p95_ms", ".1f"), ("step 1", "step1_ms", ".1f"),
+           ("step 2", "step2_ms", ".1f"), ("decoder", "decoder_ms", ".1f"), ("recompiles", "recompiles", "d")],
+          best=("median_ms", -1))
+    table("Memory", [("KV MiB (data + scales)", "kv_mib", ".2f"), ("peak memory MiB", "peak_mem_mb", ".0f")],
+          best=("kv_mib", -1))
+    lines += ["## Variants", ""]
+    for r in results + failed:
+        flags = " ".join(f"{k}={v}" for k, v in r["env"].items()) or "(defaults: bf16 roll)"
+        lines.append(f"- **{r['name']}**: `{flags}`" + (f" - settings: `{r['settings']}`" if "settings" in r else ""))
+    if failed:
+        lines += ["", "## Failed variants", ""]
+        lines += [f"- **{r['name']}** crashed: `{r['error']}` (full log in `{r['name']}/`)" for r in failed]
+    lines += ["", "Files: metrics.csv (per frame, per variant), psnr_ssim.png, latency.png, memory.png, "
+              "<variant>.mp4 (baseline | variant | 4x difference)."]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def write_csv(out: Path, results: list):
+    rows = [{"variant": r["name"], **p} for r in results for p in r["per_frame"]]
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with open(out / "metrics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_plots(out: Path, results: list):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for r in results:
+        x = [p["frame"] for p in r["per_frame"]]
+        ax[0].plot(x, [min(p["psnr_vs_base"], 100) for p in r["per_frame"]], label=r["name"])
+        ax[1].plot(x, [p["ssim_vs_base"] for p in r["per_frame"]], label=r["name"])
+        ax[2].plot(x, [p["psnr_vs_sim"] for p in r["per_frame"]], label=r["name"])
+    for a, t in zip(ax, ("PSNR vs baseline (dB, capped at 100)", "SSIM vs baseline", "PSNR vs simulator (dB)")):
+        a.set(xlabel="frame", title=t)
+    ax[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "psnr_ssim.png", dpi=100)
+    names = [r["name"] for r in results]
+    for fname, keys, ylabel in (("latency.png", ("step1_ms", "step2_ms", "decoder_ms"), "ms per frame (median)"),
+                                ("memory.png", ("kv_mib",), "KV cache MiB")):
+        fig, a = plt.subplots(figsize=(max(6, len(names) * 1.2), 4))
+        bottom = np.zeros(len(names))
+        for k in keys:
+            vals = np.array([r["summary"][k] for r in results], dtype=float)
+            a.bar(names, vals, bottom=bottom, label=k)
+            bottom += np.nan_to_num(vals)
+        a.set(ylabel=ylabel)
+        a.legend(fontsize=7)
+        plt.setp(a.get_xticklabels(), rotation=30, ha="right")
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=100)
+    plt.close("all")
+
+
+def write_videos(out: Path, results: list, fps: float):
+    from inference.video import Mp4Writer
+
+    base = results[0]["frames"]
+    for r in results[1:]:
+        with Mp4Writer(out / f"{r['name']}.mp4", fps=fps, scale=2) as w:
+            for a, b in zip(base, r["frames"]):
+                diff = np.clip(np.abs(a.astype(np.int16) - b.astype(np.int16)) * 4, 0, 255).astype(np.uint8)
+                w.write(np.concatenate([a, b, diff], axis=1))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(Path(argv[1]))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", action="append", default=None,
+                   help=f"preset name ({PRESETS.name}) or name:FLAG=V,FLAG=V (repeat); default: "
+                        f"{' '.join(DEFAULT_VARIANTS)}")
+    p.add_argument("--checkpoint", default=None, help="default: the shipped world")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--world-seed", type=int, default=None, help="start from this simulator level (default 1000200)")
+    start.add_argument("--clip", default=None, help="start from a clip (index or path) instead")
+    p.add_argument("--actions", default="walk_turn", help="built-in script (idle, forward, turn, walk_turn, random[:seed]) "
+                   "or a JSONL action file")
+    p.add_argument("--frames", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="noise seed (identical for every variant)")
+    p.add_argument("--fps", type=float, default=15.0)
+    p.add_argument("--out", default="eval/ab")
+    p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # test-only: NAME=fault for one variant
+    args = p.parse_args(argv)
+
+    from inference.actions import load_actions
+    from inference.causvid_pipeline import DEFAULT_CHECKPOINT
+    from owl_wms.config import load_config
+    from tqdm import tqdm
+
+    from .bench_pipeline import machine
+
+    checkpoint = str(Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT)
+    world = load_config(Path(checkpoint) / "config.yaml")
+    presets = OmegaConf.to_container(OmegaConf.load(PRESETS))
+    variants = [("baseline", {})]
+    for spec in args.variant or DEFAULT_VARIANTS:
+        name, env = parse_variant(spec, presets)
+        if name == "baseline" and not env:
+            continue
+        if name in {v[0] for v in variants}:
+            raise SystemExit(f"error: variant name {name!r} appears twice; give inline variants distinct names")
+        variants.append((name, resolve_late(env, world.model.n_layers)))
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot create the output folder {str(out)!r} ({e.strerror}); choose another --out")
+    if not os.access(out, os.W_OK):
+        raise SystemExit(f"error: output folder {str(out)!r} is not writable; choose another --out")
+    world_seed = args.world_seed if args.clip is None else None
+    if args.clip is None and world_seed is None:
+        world_seed = 1_000_200
+    actions = []
+    for item in load_actions(args.actions, args.frames):
+        if not isinstance(item, dict):  # pipeline events in action files do not apply here
+            actions.append([list(map(float, item[0])), list(map(float, item[1]))])
+    actions = actions[:args.frames]
+    if len(actions) < args.frames:
+        raise SystemExit(f"error: --actions {args.actions!r} holds {len(actions)} actions; --frames is {args.frames}")
+    clip = int(args.clip) if args.clip is not None and args.clip.isdigit() else args.clip
+    spec = {"checkpoint": checkpoint, "world_seed": world_seed, "clip": clip, "actions": actions, "seed": args.seed}
+
+    results, failed = [], []
+    for i, (name, env) in enumerate(tqdm(variants, desc="variants", unit="variant")):
+        res = run_variant(name, env, {**spec, "fault": args.fault.split("=")[1] if args.fault and
+                                      args.fault.split("=")[0] == name else None}, out / name)
+        if "error" in res:
+            if name == "baseline":
+                raise SystemExit(f"error: the baseline crashed, nothing to compare: {res['error']}")
+            failed.append(res)
+            tqdm.write(f"variant {name} crashed: {res['error']}")
+            continue
+        results.append(res)
+    real = None
+    if world_seed is not None:  # what the simulator shows under the same history and actions
+        from owl_wms.data import rollout_episode
+        from owl_wms.simulator import SimConfig
+
+        size = results[0]["frames"].shape[1]
+        frames, _, _ = rollout_episode(world_seed, world.pipeline.window_frames, then=actions,
+                                       config=SimConfig(width=size, height=size))
+        real = frames[world.pipeline.window_frames:]
+    for r in results:
+        analyse(r, results[0], real)
+    cmd = " ".join(["python -m scripts.ab_kv", *argv])
+    start_text = f"simulator level {world_seed}" if world_seed is not None else f"clip {clip}"
+    header = [f"# A/B: KV cache modes on {world.name}", "",
+              f"- command: `{cmd}`", f"- machine: {machine()}; torch {torch.__version__}",
+              f"- checkpoint `{checkpoint}`, start: {start_text}, actions `{args.actions}`, {args.frames} frames, "
+              f"noise seed {args.seed}; each variant in its own process",
+              "- quality is against the baseline's frames" + (" and the simulator's" if real is not None else "")]
+    write_report(out, results, failed, header)
+    write_csv(out, results)
+    write_plots(out, results)
+    write_videos(out, results, args.fps)
+    print(f"\n{'variant':<22} {'PSNR/base':>9} {'first<30':>8} {'PSNR/sim':>8} {'drift':>8} {'bad':>4} "
+          f"{'median ms':>9} {'KV MiB':>7}")
+    for r in results:
+        s = r["summary"]
+        print(f"{r['name']:<22} {s['psnr_vs_base']:>9.2f} {str(s['first_below_30db'] or '-'):>8} "
+              f"{s['psnr_vs_sim']:>8.2f} {s['drift_mean']:>8.4f} {s['unhealthy_frames']:>4d} "
+              f"{s['median_ms']:>9.1f} {s['kv_mib']:>7.2f}")
+    for r in failed:
+        print(f"{r['name']:<22} CRASHED: {r['error']}")
+    print(f"report: {out / 'report.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

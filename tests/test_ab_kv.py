@@ -1,0 +1,68 @@
+"""A/B runs: determinism, fault detection by the health metrics, report files, crash handling."""
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from inference.video import count_frames
+
+from .conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def ab_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ab")
+    r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--frames", "4", "--out", str(out),
+                        "--variant", "again:", "--variant", "int8_kv", "--variant", "broken:OWL_RING_MODE=pointer",
+                        "--variant", "crash:OWL_KV_BITS=5", "--fault", "broken=nan_scale"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    return r, out
+
+
+def rows(out):
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_baseline_against_itself_is_identical(ab_run):
+    r, out = ab_run
+    again = [row for row in rows(out) if row["variant"] == "again"]
+    assert len(again) == 4
+    assert all(row["psnr_vs_base"] == "inf" and float(row["velocity_drift"]) == 0 for row in again)
+
+
+def test_a_broken_cache_is_flagged_by_the_health_metrics(ab_run):
+    r, out = ab_run
+    by = {}
+    for row in rows(out):
+        by.setdefault(row["variant"], []).append(int(row["unhealthy"]))
+    assert sum(by["broken"]) > 0 and sum(by["baseline"]) == 0 and sum(by["int8_kv"]) == 0
+
+
+def test_report_files_exist_and_parse(ab_run):
+    r, out = ab_run
+    report = (out / "report.md").read_text()
+    for section in ("## Quality", "## Health", "## Speed", "## Memory", "## Variants", "OWL_KV_STORAGE=int8",
+                    "machine:", "command: `python -m scripts.ab_kv"):
+        assert section in report
+    assert {row["variant"] for row in rows(out)} == {"baseline", "again", "int8_kv", "broken"}
+    for png in ("psnr_ssim.png", "latency.png", "memory.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert count_frames(out / "int8_kv.mp4") == 4
+
+
+def test_a_crashing_variant_gives_a_non_zero_exit_and_is_named(ab_run):
+    r, out = ab_run
+    assert r.returncode == 1
+    assert "crash" in r.stdout and "CRASHED: SettingsError: OWL_KV_BITS='5' is malformed" in r.stdout
+    assert "**crash** crashed: `SettingsError" in (out / "report.md").read_text()
+
+
+def test_bad_variant_specs_are_clear_errors(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--variant", "nope", "--out", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "is neither a preset" in r.stderr and "fp8_v_only" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--variant", "x:FP8=1", "--out", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "not FLAG=VALUE with an OWL_* flag" in r.stderr
