@@ -210,7 +210,7 @@ class CausvidPipeline:
 
     @property
     def kv_bytes(self) -> int:
-        return self.cache.nbytes if self.cache is not None else 0
+        return self.cache.nbytes() if self.cache is not None else 0
 
     def _velocity(self, x, t, m, b, write: bool):
         if self.cache is not None:
@@ -299,5 +299,5 @@ class CausvidPipeline:
         frame = self.decode(self.generate(mouse, buttons))
         if self.profiler:
             self.profiler.mark("decoder")
-            self.profiler.frame(self.kv_bytes, getattr(self.cache, "scale_nbytes", 0))
+            self.profiler.frame(self.kv_bytes, self.cache.scale_nbytes() if self.cache is not None else 0)
         return frame, time.perf_counter() - start

@@ -60,9 +60,12 @@ class StaticCache:
     def shape(self):
         return tuple(self.k[0].shape)
 
-    @property
     def nbytes(self) -> int:
+        """Bytes held by the cache (bf16 data; no scales)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def scale_nbytes(self) -> int:
+        return 0
 
     def get_offset(self, layer: int = 0) -> int:
         return self.offsets[layer]
@@ -256,11 +259,10 @@ class QuantizedStaticCache:
     def shape(self):
         return tuple(self.stores[0].bufs["k"].shape)
 
-    @property
     def nbytes(self) -> int:
+        """Bytes held by the cache: data and scales."""
         return sum(s.nbytes() for s in self.stores.values())
 
-    @property
     def scale_nbytes(self) -> int:
         return sum(s.nbytes(("k_scale", "v_scale")) for s in self.stores.values())
 

@@ -6,7 +6,7 @@
    60-frame window, 64 tokens/frame, local window 16): the cache work of one generated frame,
    i.e. the read-only step 1 and the writing step 2 over every layer (encode, write, read,
    dequantize), on synthetic K/V, for every layout x codec. Reported as ratios to bf16 roll.
-2. Memory at the same shapes from ``cache.nbytes`` (data + scales), as ratios to bf16 roll.
+2. Memory at the same shapes from ``cache.nbytes()`` (data + scales), as ratios to bf16 roll.
 3. The v0-v4 matrix of the original KV-cache notes on the shipped world (real pipeline,
    denoise + decode): no cache, bf16 cache, int8 cache, cross-layer sharing, int8 + sharing.
 """
@@ -82,7 +82,7 @@ def cache_cost(cfg, layout, env, frames, device, dtype, sync):
         sync()
         if f >= 2:  # two warm-up frames
             times.append(time.perf_counter() - t0)
-    nbytes = cache.nbytes
+    nbytes = cache.nbytes()
     del cache
     gc.collect()
     return statistics.median(times) * 1000, nbytes

@@ -166,7 +166,7 @@ def test_inplace_local_layers_store_only_their_window():
     cache = cache_for(cfg, "inplace", window=6)
     assert [cache.stores[i].capacity for i in range(4)] == [6, 3, 3, 3]
     roll = cache_for(cfg, "roll", window=6)
-    assert cache.nbytes / roll.nbytes == pytest.approx((6 + 3 * 3) / (4 * 6))
+    assert cache.nbytes() / roll.nbytes() == pytest.approx((6 + 3 * 3) / (4 * 6))
 
 
 def test_inplace_mask_covers_empty_and_stale_slots_only_until_full():
@@ -185,7 +185,7 @@ def test_sharing_groups_store_once_and_borrowers_read_the_owner():
     cfg = tiny_config()
     cache = cache_for(cfg, "roll", window=5, OWL_KV_SHARE=2)
     assert sorted(cache.stores) == [0, 2] and cache.borrows(1) and not cache.borrows(2)
-    assert cache.nbytes == cache_for(cfg, "roll", window=5).nbytes // 2
+    assert cache.nbytes() == cache_for(cfg, "roll", window=5).nbytes() // 2
     with pytest.raises(ValueError, match="reads layer 0"):
         cache.update(*kv_frames(cfg, 1, 1.0), 1)
 
@@ -226,12 +226,12 @@ def test_checksum_guard_compares_with_a_bf16_shadow(storage, exact):
 
 def test_nbytes_counts_data_and_scales():
     cfg = tiny_config(n_layers=1)
-    bf16 = cache_for(cfg, "roll").nbytes
+    bf16 = cache_for(cfg, "roll").nbytes()
     int8 = cache_for(cfg, "roll", OWL_KV_STORAGE="int8")
     int4 = cache_for(cfg, "roll", OWL_KV_STORAGE="int4")
     dh = cfg.head_dim  # fp32 compute here: scales are 4 bytes, bf16 data 4 bytes
-    assert int8.nbytes / bf16 == pytest.approx((1 + 4 / dh) / 4) and int8.scale_nbytes > 0
-    assert int4.nbytes / bf16 == pytest.approx((0.5 + 4 / dh) / 4)
+    assert int8.nbytes() / bf16 == pytest.approx((1 + 4 / dh) / 4) and int8.scale_nbytes() > 0
+    assert int4.nbytes() / bf16 == pytest.approx((0.5 + 4 / dh) / 4)
 
 
 # -- the model on every layout ------------------------------------------------------------------------
@@ -365,7 +365,7 @@ def test_profile_lines_time_quantization_and_attention_only_when_on(capsys):
     pipe.profiler.start()
     pipe.generate(torch.zeros(2), torch.zeros(11))
     pipe.profiler.mark("decoder")
-    pipe.profiler.frame(pipe.kv_bytes, pipe.cache.scale_nbytes)
+    pipe.profiler.frame(pipe.kv_bytes, pipe.cache.scale_nbytes())
     out = capsys.readouterr().out
     assert "kv plan: L0: K=int8/token V=int8/token window=5 slots=5; L1-3:" in out
     line = [x for x in out.splitlines() if x.startswith("[KV-Profile] frame=1")][0]
