@@ -22,7 +22,7 @@ from owl_wms.vae import FrameDecoder, load_decoder
 from .profiler import KVProfiler
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CHECKPOINT = REPO / "checkpoints" / "untrained-tiny"
+DEFAULT_CHECKPOINT = REPO / "checkpoints" / "maze-world"
 BUTTONS = ("W", "A", "S", "D", "LSHIFT", "SPACE", "R", "F", "E", "LMB", "RMB")
 
 

@@ -232,6 +232,7 @@ class QuantizedStaticCache:
             self.stores[p.layer] = FrameStore(p.capacity, shapes, dtypes, self.device)
             self.quant[p.layer] = (kq, vq)
         self._shared: dict[int, tuple] = {}  # owner -> (k, v, in place?) of its latest call
+        self._work_bufs: dict[tuple, tuple] = {}
         # Tail-only reads: an owner reads what the widest reader of its group can see.
         self._group_window = {i: max(q.window for q in self.plans if q.owner == i) for i in self.stores}
         self._lends = {i: any(q.owner == i and q.layer != i for q in self.plans) for i in self.stores}
@@ -300,14 +301,34 @@ class QuantizedStaticCache:
                 items[f"{name}_scale"] = scale
         return items
 
-    def _decode(self, layer, items):
+    def _decode(self, layer, items, out=None, at: int = 0):
+        """K, V [b, h, frames*tpf, dh] from stored frames; with ``out`` (a K and a V buffer),
+        decoded in place into their frames ``at`` onwards (and the whole buffers returned)."""
         kq, vq = self.quant[layer]
-        out = []
-        for name, q in (("k", kq), ("v", vq)):
-            x = q.decode(items[name], items.get(f"{name}_scale"), self.dtype)
-            b, h, f, t, d = x.shape
-            out.append(x.reshape(b, h, f * t, d))
-        return out
+        result = []
+        for i, (name, q) in enumerate((("k", kq), ("v", vq))):
+            data = items[name]
+            if out is None:
+                x = q.decode(data, items.get(f"{name}_scale"), self.dtype)
+                b, h, f, t, d = x.shape
+                result.append(x.reshape(b, h, f * t, d))
+                continue
+            b, h, f, t, _ = data.shape
+            q.decode(data, items.get(f"{name}_scale"), self.dtype, out=out[i].view(b, h, -1, t, out[i].shape[-1])[:, :, at:at + f])
+            result.append(out[i])
+        return result
+
+    def _work(self, frames: int):
+        """Reused K and V buffers for a window of ``frames`` frames: attention consumes one layer's
+        window before the next layer (or a borrower right after its owner) asks for it again, so
+        the hot path decodes into memory it already has instead of allocating every call."""
+        c = self.config
+        shape = (self.batch_size, c.n_heads, frames * self.tpf, c.head_dim)
+        bufs = self._work_bufs.get(shape)
+        if bufs is None:
+            bufs = self._work_bufs[shape] = tuple(torch.empty(shape, dtype=self.dtype, device=self.device)
+                                                 for _ in range(2))
+        return bufs
 
     def _check(self, layer, new_k, new_v):
         c = self.config
@@ -383,15 +404,18 @@ class QuantizedStaticCache:
                     Layout._put(store, name, item, self.layout.pointer(store), store.written)
                 if store.length == store.capacity:
                     store.length -= 1  # the oldest frame's slot now holds this call's (scratch) frame
-            keys, values = self._decode(layer, store.bufs)
+            plain = not any(q.quantized for q in self.quant[layer])
+            # bf16 rings are read as they are; quantized ones are decoded into working buffers.
+            keys, values = self._decode(layer, store.bufs, None if plain else self._work(store.capacity))
             out = (keys, values, not self.should_update)
             mask = self._ring_mask(layer, out[2])
         else:
-            hist = self._decode(layer, self.layout.read(store, self._history(layer, n)))
-            new = self._decode(layer, items)
+            m = self._history(layer, n)
+            work = self._work(m + n)  # history then this call's frames, decoded side by side
+            self._decode(layer, self.layout.read(store, m), work)
+            keys, values = self._decode(layer, items, work, at=m)
             if self.should_update:
                 self._write(layer, items, n, k, v)
-            keys, values = torch.cat([hist[0], new[0]], dim=2), torch.cat([hist[1], new[1]], dim=2)
             out, mask = (keys, values, None), None
         if self.shadow is not None:
             self._checksum(layer, keys, values, out[2], k, v)

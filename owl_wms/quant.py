@@ -37,7 +37,8 @@ class Codec:
     def encode(self, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, out=None) -> torch.Tensor:
+        """Values in ``dtype``; ``out`` (same shape as the values) is written and returned when given."""
         raise NotImplementedError
 
 
@@ -50,7 +51,9 @@ class PlainCodec(Codec):
     def encode(self, y):
         return y
 
-    def decode(self, q, scale, dtype):
+    def decode(self, q, scale, dtype, out=None):
+        if out is not None:
+            return out.copy_(q)
         return q if q.dtype == dtype else q.to(dtype)
 
 
@@ -63,15 +66,24 @@ class Int8Codec(Codec):
     def encode(self, y):
         return y.round().clamp_(-self.qmax, self.qmax).to(torch.int8)
 
-    def decode(self, q, scale, dtype):
+    def decode(self, q, scale, dtype, out=None):
+        if out is not None:
+            return torch.mul(q, scale.to(dtype), out=out)
         return q * scale.to(dtype)  # int8 x float promotes in one fused kernel
 
 
-def _lut_decode(lut: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _lut_decode(lut: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out=None):
     """Decode bytes through a 256-entry table ([256] or [256, k] values per byte), then scale."""
-    vals = torch.index_select(lut.to(q.device, dtype), 0, q.reshape(-1).view(torch.uint8).int())
     per_byte = lut.shape[1] if lut.ndim == 2 else 1
-    return vals.view(*q.shape[:-1], q.shape[-1] * per_byte) * scale.to(dtype)
+    shape = (*q.shape[:-1], q.shape[-1] * per_byte)
+    idx = q.reshape(-1).view(torch.uint8).int()
+    lut = lut.to(q.device, dtype)
+    if out is None:
+        return torch.index_select(lut, 0, idx).view(shape) * scale.to(dtype)
+    if not out.is_contiguous():  # a slice of a working buffer: look up, then scale into it
+        return torch.mul(torch.index_select(lut, 0, idx).view(shape), scale.to(dtype), out=out)
+    torch.index_select(lut, 0, idx, out=out.view(-1, per_byte) if per_byte > 1 else out.view(-1))
+    return out.mul_(scale.to(dtype))
 
 
 class Fp8Codec(Codec):
@@ -87,9 +99,11 @@ class Fp8Codec(Codec):
     def encode(self, y):
         return y.clamp(-self.qmax, self.qmax).to(self.dtype)
 
-    def decode(self, q, scale, dtype):
+    def decode(self, q, scale, dtype, out=None):
         if q.device.type == "cpu" and self.dtype == torch.float8_e4m3fn:
-            return _lut_decode(self.lut, q, scale, dtype)
+            return _lut_decode(self.lut, q, scale, dtype, out)
+        if out is not None:
+            return torch.mul(q.to(dtype), scale.to(dtype), out=out)
         return q.to(dtype) * scale.to(dtype)  # float8 has no type promotion: cast first
 
 
@@ -107,8 +121,8 @@ class Int4Codec(Codec):
     # byte -> (low nibble, high nibble) as signed values: one lookup unpacks both
     lut = torch.stack(((torch.arange(256) & 15) - 8, (torch.arange(256) >> 4) - 8), dim=-1).float()
 
-    def decode(self, q, scale, dtype):
-        return _lut_decode(self.lut, q, scale, dtype)
+    def decode(self, q, scale, dtype, out=None):
+        return _lut_decode(self.lut, q, scale, dtype, out)
 
 
 def make_codec(name: str) -> Codec:
@@ -232,8 +246,8 @@ class Quantizer:
             self.count += xf.numel()
         return self.codec.encode(torch.nan_to_num(y)), scale
 
-    def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        return self.codec.decode(q, scale, dtype)
+    def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, out=None) -> torch.Tensor:
+        return self.codec.decode(q, scale, dtype, out)
 
     def stats(self) -> dict:
         as_int = lambda v: int(v) if not torch.is_tensor(v) else int(v.item())  # noqa: E731
