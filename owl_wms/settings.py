@@ -141,6 +141,19 @@ FLAGS: tuple[Flag, ...] = (
     Flag("OWL_PROFILE_KV_EVERY", "profile_kv_every", _int(1), 30, "then one profile line every N frames"),
 )
 KNOWN = {f.env: f for f in FLAGS}
+# The cache-plan fields (a config may choose its own default plan; A/B tools compare from bf16 roll).
+KV_FIELDS = tuple(f.field for f in FLAGS if f.field in {
+    "fp8_kv", "k_fp8", "kv_late_layers", "kv_storage", "kv_bits", "kv_fmt_k", "kv_fmt_v", "kv_scale", "kv_ema",
+    "v_percentile", "v_per_channel", "scale_smooth", "ring_mode", "ring_guard", "ring_scratch", "kv_tail_only",
+    "kv_share"})
+
+
+CODEC_FIELDS = ("fp8_kv", "k_fp8", "kv_storage", "kv_bits", "kv_fmt_k", "kv_fmt_v")
+
+
+def without_kv(inference: Mapping | None) -> dict:
+    """A config's ``inference:`` section minus its cache plan (so OWL_* flags alone define it)."""
+    return {k: v for k, v in dict(inference or {}).items() if k not in KV_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -246,6 +259,10 @@ class Settings:
         environ = os.environ if environ is None else environ
         inference = dict(inference or {})
         by_field = {f.field: f for f in FLAGS}
+        # The codec flags act together: once any is set in the environment, the config's codec
+        # choice steps aside (OWL_FP8_KV=1 means fp8 even where the config says kv_storage: int8).
+        if any(by_field[f].env in environ for f in CODEC_FIELDS):
+            inference = {k: v for k, v in inference.items() if k not in CODEC_FIELDS}
         for key in sorted(set(inference) - set(by_field)):
             warnings.warn(f"config inference.{key} is not a known setting; known: {sorted(by_field)}", stacklevel=2)
         for name in sorted(k for k in environ if k.startswith("OWL_") and k not in KNOWN):

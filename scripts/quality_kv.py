@@ -21,7 +21,7 @@ from tqdm import tqdm
 from inference.causvid_pipeline import CausvidPipeline
 from owl_wms.data import HELD_OUT_SEED
 from owl_wms.evaluation import Episode, frame_metrics
-from owl_wms.settings import Settings
+from owl_wms.settings import Settings, without_kv
 
 from .bench_pipeline import machine
 
@@ -74,7 +74,7 @@ def main(argv=None):
     rows, frames = [], {}
     for name in names:
         env = {k: (str(n_layers // 2) if v == "half" else v) for k, v in VARIANTS[name].items()}
-        pipe = CausvidPipeline(base.model, base.decoder, base.world, Settings.resolve(base.world.inference, env),
+        pipe = CausvidPipeline(base.model, base.decoder, base.world, Settings.resolve(without_kv(base.world.inference), env),
                                verbose=False)
         pipe.load_clip(ep.clip)
         got = []

@@ -380,3 +380,10 @@ def test_guard_checksum_report_is_printed_once(capsys):
     cfg = tiny_config()
     _, pipe = rollout(cfg, kv(OWL_KV_STORAGE="int8", OWL_RING_GUARD="checksum:3"), 6)
     assert pipe.cache.guard_report().startswith("[owl] ring guard checksum: 3 frames x 4 layers")
+
+
+def test_environment_codec_flags_replace_the_config_codec_as_a_group():
+    config = {"kv_storage": "int8", "ring_mode": "inplace"}
+    s = Settings.resolve(config, {"OWL_FP8_KV": "1", "OWL_K_FP8": "0"}).kv
+    assert (s.fmt_k, s.fmt_v, s.ring_mode) == ("bf16", "fp8_e4m3", "inplace")
+    assert Settings.resolve(config, {}).kv.fmt_v == "int8"

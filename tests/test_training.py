@@ -33,7 +33,7 @@ def test_stages_write_their_outputs(chain):
     metrics = json.loads((chain / "vae" / "final" / "metrics.json").read_text())
     assert metrics["steps"] == 12 and metrics["held_out_psnr_db"] > 0
     lat = load_file(str(chain / "latents" / "ep_000005.safetensors"))
-    assert lat["latents"].shape == (24, 16, 8, 8) and lat["mouse"].shape == (24, 2)
+    assert lat["latents"].shape == (24, 32, 8, 8) and lat["mouse"].shape == (24, 2)
     assert json.loads((chain / "latents" / "stats.json").read_text())["vae_scale"] > 0
 
 
@@ -95,7 +95,7 @@ def test_world_model_training_lowers_the_loss():
     torch.manual_seed(0)
     model = GameRFT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(2, 4, 16, 8, 8).cumsum(1) * 0.5  # temporally correlated "latents"
+    x = torch.randn(2, 4, cfg.channels, 8, 8).cumsum(1) * 0.5  # temporally correlated "latents"
     m, b = torch.randn(2, 4, 2), (torch.rand(2, 4, 11) > 0.5).float()
     losses = []
     for _ in range(30):  # one fixed batch (same times and noise every step): the fit must improve
