@@ -19,7 +19,18 @@ from .quant import Quantizer, ScalePolicy, make_codec
 from .settings import KVSettings, SettingsError
 
 
-class StaticCache:
+class CacheUpdates:
+    """The write switch attention reads (``should_update``): on for prefill and the last step."""
+    should_update = False
+
+    def enable_cache_updates(self):
+        self.should_update = True
+
+    def disable_cache_updates(self):
+        self.should_update = False
+
+
+class StaticCache(CacheUpdates):
     def __init__(self, config: ModelConfig, max_length: int, batch_size: int = 1,
                  device="cpu", dtype=torch.bfloat16):
         if max_length < 1:
@@ -42,12 +53,6 @@ class StaticCache:
         self.offsets = [0] * c.n_layers  # tokens ever written: the RoPE position of the next token
         self.lengths = [0] * c.n_layers  # valid tokens in the slab, oldest first
         return self
-
-    def enable_cache_updates(self):
-        self.should_update = True
-
-    def disable_cache_updates(self):
-        self.should_update = False
 
     def to(self, device=None, dtype=None):
         self.device = torch.device(device) if device is not None else self.device
@@ -188,7 +193,7 @@ def describe_plan(plans: list[LayerPlan]) -> str:
     return "; ".join(f"L{a}" + (f"-{b}" if b != a else "") + f": {t}" for a, b, t in groups)
 
 
-class QuantizedStaticCache:
+class QuantizedStaticCache(CacheUpdates):
     """The StaticCache contract over any codec x scale policy x layout, plus sharing and guards.
 
     Per owner layer, a ``FrameStore`` holds K and V ``[b, h, C, tpf, dh/pack]`` and their
@@ -241,12 +246,6 @@ class QuantizedStaticCache:
         self.checksum_log = []
         self._checksum_start = None  # first frame written after the prefill
         return self
-
-    def enable_cache_updates(self):
-        self.should_update = True
-
-    def disable_cache_updates(self):
-        self.should_update = False
 
     def to(self, device=None, dtype=None):
         if dtype is not None and dtype != self.dtype:

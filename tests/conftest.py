@@ -39,6 +39,26 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> GameRFT:
     return model
 
 
+def rollout(cfg: ModelConfig, frames: int, window: int = 5, **settings):
+    """A random model prefilled with a random history, then ``frames`` frames of random controls.
+    Returns (latents [1, frames, c, h, w], pipeline, torch.compile graphs made after frame 2)."""
+    from torch._dynamo.utils import counters
+
+    from inference.causvid_pipeline import CausvidPipeline
+
+    pipe = CausvidPipeline(random_model(cfg), None, tiny_world(cfg, window), fp32_settings(**settings), verbose=False)
+    g = torch.Generator().manual_seed(1)
+    c, s = cfg.channels, cfg.sample_size
+    pipe.prefill(torch.randn(window, c, s, s, generator=g), torch.randn(window, 2, generator=g),
+                 (torch.rand(window, 11, generator=g) > 0.5).float())
+    outs, graphs = [], 0
+    for i in range(frames):
+        if i == 2:
+            graphs = counters["stats"]["unique_graphs"]
+        outs.append(pipe.generate(torch.randn(2, generator=g) * 3, (torch.rand(11, generator=g) > 0.7).float()))
+    return torch.cat(outs, dim=1), pipe, counters["stats"]["unique_graphs"] - graphs
+
+
 GOLDEN_FILES = sorted(GOLDEN.parent.glob("*.safetensors")) if GOLDEN.parent.is_dir() else []
 
 

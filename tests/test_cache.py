@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from inference.causvid_pipeline import CausvidPipeline
 from owl_wms.cache import StaticCache
 
-from .conftest import fp32_settings, random_model, tiny_config, tiny_world
+from .conftest import tiny_config
+from .conftest import rollout as shared_rollout
 
 CONFIGS = {
     "golden-shape": {},
@@ -15,19 +15,8 @@ CONFIGS = {
 
 
 def rollout(cfg, kv_cache: str, frames: int, window: int = 5, seed: int = 0):
-    model = random_model(cfg)
-    pipe = CausvidPipeline(model, None, tiny_world(cfg, window), fp32_settings(kv_cache=kv_cache, seed=seed),
-                           verbose=False)
-    g = torch.Generator().manual_seed(1)
-    c, s = cfg.channels, cfg.sample_size
-    pipe.prefill(torch.randn(window, c, s, s, generator=g), torch.randn(window, 2, generator=g),
-                 (torch.rand(window, 11, generator=g) > 0.5).float())
-    outs = []
-    for _ in range(frames):
-        mouse = torch.randn(2, generator=g) * 3
-        buttons = (torch.rand(11, generator=g) > 0.7).float()
-        outs.append(pipe.generate(mouse, buttons))
-    return torch.cat(outs, dim=1), pipe
+    out, pipe, _ = shared_rollout(cfg, frames, window, kv_cache=kv_cache, seed=seed)
+    return out, pipe
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -91,22 +80,11 @@ def test_static_cache_rejects_bad_writes():
 
 
 def test_compiled_model_matches_eager_and_stops_recompiling():
-    from torch._dynamo.utils import counters
-
     cfg = tiny_config()
     eager, _ = rollout(cfg, "static", 8)
-    model = random_model(cfg)
-    pipe = CausvidPipeline(model, None, tiny_world(cfg), fp32_settings(compile=True), verbose=False)
-    g = torch.Generator().manual_seed(1)
-    pipe.prefill(torch.randn(5, 8, 4, 4, generator=g), torch.randn(5, 2, generator=g),
-                 (torch.rand(5, 11, generator=g) > 0.5).float())
-    outs = []
-    for i in range(8):
-        if i == 2:
-            graphs = counters["stats"]["unique_graphs"]
-        outs.append(pipe.generate(torch.randn(2, generator=g) * 3, (torch.rand(11, generator=g) > 0.7).float()))
-    assert counters["stats"]["unique_graphs"] == graphs  # steady state: no recompiles per frame
-    assert (torch.cat(outs, dim=1) - eager).abs().max() <= 1e-4
+    compiled, _, new_graphs = shared_rollout(cfg, 8, compile=True)
+    assert new_graphs == 0  # steady state: no recompiles per frame
+    assert (compiled - eager).abs().max() <= 1e-4
 
 
 def test_teacher_forcing_observe_matches_between_cache_and_baseline():
