@@ -186,7 +186,7 @@ class CausvidPipeline:
             self._recompute = {"x": x, "t": t, "mouse": m, "buttons": b, "start": 0}
         else:
             if self.cache is None:
-                self.cache = build_cache(self.cfg, self.settings, self.window)
+                self.cache = build_cache(self.cfg, self.settings, self.window, plans=self.kv_plan)
                 if self.profiler and isinstance(self.cache, QuantizedStaticCache):
                     self.profiler.instrument(self.cache, "_encode", "quant")
                     self.profiler.instrument(self.cache, "_decode", "dequant")

@@ -504,14 +504,15 @@ def _slot_mask(capacity: int, tpf: int, slots: tuple, device: str) -> torch.Tens
     return mask.repeat_interleave(tpf)[None].to(device)  # [1, C*tpf]: broadcast over queries
 
 
-def build_cache(config: ModelConfig, settings, window_frames: int, batch_size: int = 1):
+def build_cache(config: ModelConfig, settings, window_frames: int, batch_size: int = 1, plans=None):
     """The cache the settings ask for: None (OWL_KV_CACHE=none), the plain bf16 roll
-    ``StaticCache``, or a ``QuantizedStaticCache`` with its per-layer plan."""
+    ``StaticCache``, or a ``QuantizedStaticCache`` with its per-layer plan (``plans``, if
+    already made from the same settings)."""
     if settings.kv_cache == "none":
         return None
     kv = settings.kv
     if kv == KVSettings():
         return StaticCache(config, window_frames, batch_size, settings.device, settings.dtype)
-    plans = plan_layers(config, kv, window_frames)
+    plans = plans or plan_layers(config, kv, window_frames)
     return QuantizedStaticCache(config, plans, kv.ring_mode, batch_size, settings.device, settings.dtype,
                                 tail_only=kv.tail_only, scratch=kv.ring_scratch, guard=kv.guard)

@@ -23,6 +23,7 @@ class FrameStore:
         self.tags = {n: torch.full((capacity,), -1, dtype=torch.int64) for n in shapes}
         self.length = 0  # valid frames
         self.written = 0  # frames ever written (the next frame's absolute index)
+        self.scratch: dict[tuple, torch.Tensor] = {}  # gather targets (pointer layout), freed with the store
 
     def nbytes(self, names=None) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.bufs.items() if names is None or n in names)
@@ -99,7 +100,6 @@ class RingLayout(Layout):
     def __init__(self, name: str = "pointer", scratch: bool = True):
         self.name, self.in_place, self.scratch = name, name == "inplace", scratch
         self._index: dict[tuple, torch.Tensor] = {}
-        self._out: dict[tuple, torch.Tensor] = {}
 
     def pointer(self, store) -> int:
         return store.written % store.capacity
@@ -130,9 +130,9 @@ class RingLayout(Layout):
             i = idx.to(b.device)
             if self.scratch:
                 shape = (*b.shape[:2], frames, *b.shape[3:])
-                buf = self._out.get((name, id(store), shape))
+                buf = store.scratch.get((name, shape))
                 if buf is None or buf.dtype != b.dtype or buf.device != b.device:
-                    buf = self._out[(name, id(store), shape)] = torch.empty(shape, dtype=b.dtype, device=b.device)
+                    buf = store.scratch[(name, shape)] = torch.empty(shape, dtype=b.dtype, device=b.device)
                 out[name] = torch.index_select(b, 2, i, out=buf)
             else:
                 out[name] = torch.index_select(b, 2, i)

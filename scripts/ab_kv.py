@@ -180,7 +180,8 @@ def analyse(res: dict, base: dict, real: np.ndarray | None):
         "unhealthy": int(unhealthy(hs[i], ref)),
         **{f"ms_{k}": v for k, v in res["timings"][i].items()}} for i in range(n)]
     below = next((r["frame"] for r in res["per_frame"] if r["psnr_vs_base"] < 30), None)
-    timed = [t["total"] for t in res["timings"][WARMUP:]] or [t["total"] for t in res["timings"]]
+    steady = res["timings"][WARMUP:] or res["timings"]
+    timed = [t["total"] for t in steady]
     mean = lambda key: float(np.mean([min(r[key], 100.0) for r in res["per_frame"]]))  # noqa: E731
     res["summary"] = {
         "psnr_vs_base": mean("psnr_vs_base"), "ssim_vs_base": mean("ssim_vs_base"), "first_below_30db": below,
@@ -189,9 +190,9 @@ def analyse(res: dict, base: dict, real: np.ndarray | None):
             r["unhealthy"] for r in res["per_frame"]), "brightness": mean("brightness"), "sharpness": mean("sharpness"),
         "hist_dist": mean("hist_dist"),
         "median_ms": statistics.median(timed), "p95_ms": float(np.percentile(timed, 95)),
-        "step1_ms": statistics.median(t.get("step1", np.nan) for t in res["timings"][WARMUP:] or res["timings"]),
-        "step2_ms": statistics.median(t.get("step2", np.nan) for t in res["timings"][WARMUP:] or res["timings"]),
-        "decoder_ms": statistics.median(t.get("decoder", np.nan) for t in res["timings"][WARMUP:] or res["timings"]),
+        "step1_ms": statistics.median(t.get("step1", np.nan) for t in steady),
+        "step2_ms": statistics.median(t.get("step2", np.nan) for t in steady),
+        "decoder_ms": statistics.median(t.get("decoder", np.nan) for t in steady),
         "kv_mib": res["kv_bytes"] / 2**20, "peak_mem_mb": res["peak_mem_mb"], "recompiles": res["recompiles"]}
 
 

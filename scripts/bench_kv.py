@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from owl_wms.cache import QuantizedStaticCache, StaticCache, build_cache, plan_layers
+from owl_wms.cache import build_cache
 from owl_wms.config import ModelConfig
-from owl_wms.settings import KVSettings, Settings
+from owl_wms.settings import Settings
 
 from .bench_pipeline import PRODUCTION, machine
 
@@ -50,11 +50,8 @@ def kv_settings(env: dict) -> Settings:
 
 
 def make_cache(cfg: ModelConfig, layout: str, env: dict, device, dtype):
-    kv = kv_settings({**env, "OWL_RING_MODE": layout}).kv
-    if kv == KVSettings():
-        return StaticCache(cfg, WINDOW, 1, device, dtype)
-    return QuantizedStaticCache(cfg, plan_layers(cfg, kv, WINDOW), layout, 1, device, dtype,
-                                tail_only=kv.tail_only, scratch=kv.ring_scratch)
+    settings = kv_settings({**env, "OWL_RING_MODE": layout}).replace(device=device, dtype=dtype)
+    return build_cache(cfg, settings, WINDOW)
 
 
 def cache_cost(cfg, layout, env, frames, device, dtype, sync):
