@@ -61,10 +61,12 @@ class KVProfiler:
         s = self._spans()[-1][1] / 1000
         self.print(f"[KV-Profile] prefill_s={s:.3f} kv_bytes={kv_bytes} peak_mem_mb={peak_memory_mb(self.device):.1f}")
 
-    def frame(self, kv_bytes: int, scale_bytes: int = 0):
+    def frame(self, kv_bytes: int, scale_bytes: int = 0, epoch: int = 0, event: str = "frame"):
+        """One frame's line; ``epoch`` and ``event`` come from the cache lifecycle (a recompute
+        shows as event=recompute with its own recompute_ms span)."""
         self.frames += 1
         self.last = {**dict(self._spans()), **self.sections}  # this frame's ms by section
-        if self.frames <= self.first or self.frames % self.every == 0:
+        if self.frames <= self.first or self.frames % self.every == 0 or event != "frame":
             parts = " ".join(f"{n}_ms={ms:.2f}" for n, ms in [*self._spans(), *self.sections.items()])
-            self.print(f"[KV-Profile] frame={self.frames} {parts} kv_bytes={kv_bytes} kv_scale_bytes={scale_bytes} "
-                       f"peak_mem_mb={peak_memory_mb(self.device):.1f}")
+            self.print(f"[KV-Profile] frame={self.frames} epoch={epoch} event={event} {parts} kv_bytes={kv_bytes} "
+                       f"kv_scale_bytes={scale_bytes} peak_mem_mb={peak_memory_mb(self.device):.1f}")

@@ -53,19 +53,54 @@ def block_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, d
 
 
 @torch.compiler.disable
-def _flex_eager(q, k, v, bm, scale):
+def _flex_eager(q, k, v, bm, scale, score_mod=None):
     # Inductor's CPU lowering of FlexAttention fails for our shapes (ARCHITECTURE Part 5), so
     # on CPU it stays eager even when the rest of the model is compiled.
-    return flex_attention(q, k, v, block_mask=bm, scale=scale)
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
+
+
+@torch.compiler.disable
+@lru_cache(maxsize=64)
+def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, bias: float,
+                      ring: tuple | None, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Additive [Tq, Tk] mask for soft forgetting: ``bias`` on visible keys of earlier frames
+    (cached history), 0 on the query's own frame, -inf where the frame rule hides a key.
+
+    ``ring`` = (query slot, visible slots or None for all) when the keys are ring slots read in
+    place (one query frame); otherwise the query frames are the last ``n_q_frames`` key frames.
+    """
+    if ring is None:
+        q = torch.arange(n_q_frames) + (n_k_frames - n_q_frames)
+        k = torch.arange(n_k_frames)
+        visible = frame_visible(q[:, None], k[None, :], window)
+        history = k[None, :] < q[:, None]
+    else:
+        current, slots = ring
+        visible = torch.zeros(1, n_k_frames, dtype=torch.bool)
+        visible[0, list(slots) if slots is not None else slice(None)] = True
+        history = (torch.arange(n_k_frames) != current)[None]
+    add = torch.where(history, torch.tensor(float(bias)), torch.tensor(0.0))
+    add = add.masked_fill(~visible, float("-inf"))
+    return add.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1).to(device, dtype)
 
 
 def attend(q, k, v, tpf: int, window: int | None, backend: str, mask=None):
     """q: [b,h,Tq,dh], k/v: [b,h,Tk,dh]; query frames are the last Tq/tpf key frames.
 
-    ``mask`` (a boolean [Tq or 1, Tk] from a ring cache read in place) replaces the
-    chronological rule: the keys are then slots in any order.
+    ``mask``: a boolean [Tq or 1, Tk] from a ring cache read in place (it replaces the
+    chronological rule: the keys are then slots in any order), or a float additive mask from
+    ``history_bias_mask`` (soft forgetting; it encodes the whole rule, in any key order).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
+    if mask is not None and mask.dtype != torch.bool:
+        if backend == "flex":
+            def biased(score, b, h, q_idx, kv_idx):
+                return score + mask[q_idx, kv_idx]
+
+            if q.device.type == "cpu":
+                return _flex_eager(q, k, v, None, scale, biased)
+            return flex_attention(q, k, v, score_mod=biased, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if mask is not None:  # ring warm-up only; SDPA takes the dense mask on every backend
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     n_q, n_k = q.shape[2] // tpf, k.shape[2] // tpf
@@ -98,7 +133,7 @@ class Attention(nn.Module):
 
     def project_q(self, x, cos, sin):
         """Queries only (a layer that borrows another layer's K/V): the first third of qkv."""
-        d = x.shape[-1]
+        d = self.qkv.out_features // 3  # (three, heads, dh) rows: also true of a tensor-parallel shard
         q = rearrange(F.linear(x, self.qkv.weight[:d], self.qkv.bias[:d]), "b t (h d) -> b h t d", h=self.n_heads)
         return apply_rope(F.rms_norm(q, (q.shape[-1],)), cos, sin)
 

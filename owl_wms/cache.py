@@ -30,6 +30,17 @@ class CacheUpdates:
         self.should_update = False
 
 
+def load_tensor(dst: torch.Tensor, tensors: dict, name: str):
+    """Copy snapshot tensor ``name`` into ``dst``, or say which tensor does not fit and why."""
+    src = tensors.get(name)
+    if src is None:
+        raise ValueError(f"cache snapshot has no tensor {name!r}: it was saved from a different cache plan")
+    if src.shape != dst.shape or src.dtype != dst.dtype:
+        raise ValueError(f"cache snapshot tensor {name!r} is {src.dtype} {tuple(src.shape)}; this cache holds "
+                         f"{dst.dtype} {tuple(dst.shape)} (saved with other settings or another model)")
+    dst.copy_(src)
+
+
 class StaticCache(CacheUpdates):
     def __init__(self, config: ModelConfig, max_length: int, batch_size: int = 1,
                  device="cpu", dtype=torch.bfloat16):
@@ -75,6 +86,19 @@ class StaticCache(CacheUpdates):
     def get_offset(self, layer: int = 0) -> int:
         return self.offsets[layer]
 
+    def state_dict(self) -> tuple[dict, dict]:
+        """(tensors, metadata) of everything the cache holds (a pipeline snapshot saves them)."""
+        tensors = {f"{n}.{i}": t for n, ts in (("k", self.k), ("v", self.v)) for i, t in enumerate(ts)}
+        return tensors, {"batch_size": self.batch_size, "offsets": list(self.offsets), "lengths": list(self.lengths)}
+
+    @torch.no_grad()
+    def load_state_dict(self, tensors: dict, meta: dict):
+        self.reset(meta["batch_size"])
+        for n, ts in (("k", self.k), ("v", self.v)):
+            for i, t in enumerate(ts):
+                load_tensor(t, tensors, f"{n}.{i}")
+        self.offsets, self.lengths = list(meta["offsets"]), list(meta["lengths"])
+
     def n_frames(self, layer: int = 0) -> int:
         return self.lengths[layer] // self.tpf
 
@@ -107,6 +131,10 @@ class StaticCache(CacheUpdates):
 
     def borrows(self, layer: int) -> bool:
         return False
+
+    def ring_view(self, layer: int):
+        """Keys are always returned in time order here (see QuantizedStaticCache.ring_view)."""
+        return None
 
     def attend_window(self, layer: int, k, v):
         """What attention reads for this call's K/V: (keys, values, mask or None)."""
@@ -237,6 +265,7 @@ class QuantizedStaticCache(CacheUpdates):
             self.stores[p.layer] = FrameStore(p.capacity, shapes, dtypes, self.device)
             self.quant[p.layer] = (kq, vq)
         self._shared: dict[int, tuple] = {}  # owner -> (k, v, in place?) of its latest call
+        self._last_read: dict[int, bool | None] = {}  # owner -> None (time order) or the ring read's pending flag
         self._work_bufs: dict[tuple, tuple] = {}
         # Tail-only reads: an owner reads what the widest reader of its group can see.
         self._group_window = {i: max(q.window for q in self.plans if q.owner == i) for i in self.stores}
@@ -271,6 +300,38 @@ class QuantizedStaticCache(CacheUpdates):
 
     def get_offset(self, layer: int = 0) -> int:
         return self.stores[self.plans[layer].owner].written * self.tpf
+
+    def state_dict(self) -> tuple[dict, dict]:
+        """(tensors, metadata): every store's buffers and slot tags, and the temporal scale
+        state; working buffers and the checksum shadow are diagnostics and are not saved."""
+        tensors, stores = {}, {}
+        for i, store in self.stores.items():
+            tensors.update({f"{i}.{n}": b for n, b in store.bufs.items()})
+            tensors.update({f"{i}.tag.{n}": t for n, t in store.tags.items()})
+            for name, q in zip("kv", self.quant[i]):
+                if q.prev is not None:
+                    tensors[f"{i}.{name}.prev"] = q.prev
+            stores[str(i)] = {"length": store.length, "written": store.written, "tokens_seen": self._tokens_seen[i]}
+        return tensors, {"batch_size": self.batch_size, "layout": self.layout.name, "stores": stores}
+
+    @torch.no_grad()
+    def load_state_dict(self, tensors: dict, meta: dict):
+        if meta.get("layout") != self.layout.name or set(meta["stores"]) != {str(i) for i in self.stores}:
+            raise ValueError(f"cache snapshot was saved from a {meta.get('layout')} cache with layers "
+                             f"{sorted(meta['stores'])}; this cache is {self.layout.name} with layers "
+                             f"{sorted(self.stores)} (use the settings it was saved with)")
+        self.reset(meta["batch_size"])
+        self.shadow = None
+        for i, store in self.stores.items():
+            for n, b in store.bufs.items():
+                load_tensor(b, tensors, f"{i}.{n}")
+            for n, t in store.tags.items():
+                load_tensor(t, tensors, f"{i}.tag.{n}")
+            m = meta["stores"][str(i)]
+            store.length, store.written, self._tokens_seen[i] = m["length"], m["written"], m["tokens_seen"]
+            for name, q in zip("kv", self.quant[i]):
+                prev = tensors.get(f"{i}.{name}.prev")
+                q.prev = None if prev is None else prev.clone()
 
     def n_frames(self, layer: int = 0) -> int:
         return self.stores[self.plans[layer].owner].length
@@ -420,7 +481,20 @@ class QuantizedStaticCache(CacheUpdates):
             self._checksum(layer, keys, values, out[2], k, v)
         if self._lends[layer]:
             self._shared[layer] = out
+        self._last_read[layer] = out[2]
         return keys, values, mask
+
+    def ring_view(self, layer: int):
+        """How the keys of this layer's latest read are ordered: None for time order, or
+        (slot of the query frame, visible slots or None for all) for a ring read in place."""
+        owner = self.plans[layer].owner
+        pending = self._last_read.get(owner)
+        if pending is None:
+            return None
+        capacity = self.stores[owner].capacity
+        frames = self._visible_frames(layer, pending)
+        slots = None if len(frames) == capacity else tuple(sorted(f % capacity for f in frames))
+        return frames[-1] % capacity, slots
 
     def _visible_frames(self, layer: int, pending: bool) -> range:
         """Absolute frames a single-frame query of ``layer`` sees in the ring after its call."""

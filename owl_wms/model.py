@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .attention import BACKENDS, Attention
+from .attention import BACKENDS, Attention, history_bias_mask
 from .config import ModelConfig
 from .rope import MotionRoPE
 
@@ -131,7 +131,7 @@ class DiTBlock(nn.Module):
         x = x + self.gate1(self.attn.attend_out(q, k, v, window, backend, mask), cond)
         return x + self.gate2(self.mlp(self.adaln2(x, cond)), cond)
 
-    def forward(self, x, cond, rope, kv_cache, backend, window_cap):
+    def forward(self, x, cond, rope, kv_cache, backend, window_cap, bias: float = 0.0):
         if kv_cache is not None and kv_cache.borrows(self.attn.layer):
             # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
             q = self._pre_q(x, cond, *rope)
@@ -139,7 +139,13 @@ class DiTBlock(nn.Module):
         else:
             q, k, v = self._pre(x, cond, *rope)
             k, v, mask = self.attn.with_cache(k, v, kv_cache)
-        return self._post(x, cond, q, k, v, mask, self.attn.effective_window(window_cap), backend)
+        window = self.attn.effective_window(window_cap)
+        if bias:  # soft forgetting: an additive mask replaces the boolean rule (zero bias: untouched)
+            ring = kv_cache.ring_view(self.attn.layer) if kv_cache is not None else None
+            tpf = self.attn.tpf
+            mask = history_bias_mask(q.shape[2] // tpf, k.shape[2] // tpf, tpf, window, float(bias), ring,
+                                     q.dtype, str(q.device))
+        return self._post(x, cond, q, k, v, mask, window, backend)
 
     _pre = pre_attention
     _pre_q = pre_attention_q
@@ -177,10 +183,10 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.compile_halves(**kwargs)
 
-    def forward(self, x, cond, rope, kv_cache=None, window_cap=None):
+    def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float = 0.0):
         backend = self.decode_backend if self.decoding else self.backend
         for block in self.blocks:
-            x = block(x, cond, rope, kv_cache, backend, window_cap)
+            x = block(x, cond, rope, kv_cache, backend, window_cap, bias)
         return x
 
 
@@ -216,11 +222,13 @@ class GameRFTCore(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(val.shape)}; expected {[b, n, *tail]} to match x")
 
     def forward(self, x, t, mouse=None, button=None, kv_cache=None, frame_offset: int = 0,
-                window_cap: int | None = None):
+                window_cap: int | None = None, attn_bias: float = 0.0):
         """x [b,n,c,h,w], t [b,n], mouse [b,n,2], button [b,n,11] -> velocity [b,n,c,h,w].
 
         With a cache, positions continue from the cache's token offset; without one they
         start at ``frame_offset``. ``window_cap`` limits every layer's look-back (frames).
+        ``attn_bias`` is added to the attention logits of keys from earlier frames (the
+        cached history), never to the query frame's own keys; 0 leaves attention untouched.
         """
         self.check_inputs(x, t, mouse, button)
         b, n, c, h, w = x.shape
@@ -230,7 +238,7 @@ class GameRFTCore(nn.Module):
         tokens = self.proj_in(rearrange(x, "b n c h w -> b (n h w) c").to(self.proj_in.weight.dtype))
         offset = kv_cache.get_offset(0) if kv_cache is not None else frame_offset * self.config.tokens_per_frame
         rope = self.rope.cos_sin(offset, tokens.shape[1], x.device)
-        tokens = self.transformer(tokens, cond, rope, kv_cache, window_cap)
+        tokens = self.transformer(tokens, cond, rope, kv_cache, window_cap, attn_bias)
         out = self.proj_out(tokens, cond)
         return rearrange(out, "b (n h w) c -> b n c h w", n=n, h=h, w=w)
 

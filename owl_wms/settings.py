@@ -136,6 +136,17 @@ FLAGS: tuple[Flag, ...] = (
     Flag("OWL_RING_SCRATCH", "ring_scratch", _bool, None, "pointer layout: gather into preallocated buffers"),
     Flag("OWL_KV_TAIL_ONLY", "kv_tail_only", _bool, None, "local layers read only their window"),
     Flag("OWL_KV_SHARE", "kv_share", _int(1), None, "cross-layer sharing: groups of N layers share K/V"),
+    # Cache lifecycle (inference/lifecycle.py) and tensor parallelism (owl_wms/parallel.py).
+    Flag("OWL_KV_RECOMPUTE_EVERY", "kv_recompute_every", _int(0), 0,
+         "rebuild the cache from the last W frames every N frames (0: off); positions restart at 0"),
+    Flag("OWL_KV_RECOMPUTE_ANCHOR", "kv_recompute_anchor", _choice("latent", "decoded"), "latent",
+         "what a recompute rebuilds from: generated latents, or decoded frames re-encoded by the VAE"),
+    Flag("OWL_KV_CACHE_ATTENTION_BIAS", "kv_cache_attention_bias", _float(-100, 100), 0.0,
+         "soft forgetting: added to the attention logits of cached history keys (0: off)"),
+    Flag("OWL_TP_CHECK_EVERY", "tp_check_every", _int(1), 16,
+         "tensor parallel: compare every rank's lifecycle scalars every N frames"),
+    Flag("OWL_TP_TIMEOUT", "tp_timeout_s", _float(1, 3600), 60.0,
+         "tensor parallel: seconds a collective may wait before every rank fails"),
     Flag("OWL_PROFILE_KV", "profile_kv", _bool, False, "print per-frame timings and memory"),
     Flag("OWL_PROFILE_KV_FIRST", "profile_kv_first", _int(0), 3, "profile lines for the first N frames"),
     Flag("OWL_PROFILE_KV_EVERY", "profile_kv_every", _int(1), 30, "then one profile line every N frames"),
@@ -251,6 +262,11 @@ class Settings:
     profile_kv: bool = False
     profile_kv_first: int = 3
     profile_kv_every: int = 30
+    kv_recompute_every: int = 0
+    kv_recompute_anchor: str = "latent"
+    kv_cache_attention_bias: float = 0.0
+    tp_check_every: int = 16
+    tp_timeout_s: float = 60.0
     kv: KVSettings = KVSettings()
 
     @classmethod
@@ -292,6 +308,9 @@ class Settings:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device.startswith("cuda") and not torch.cuda.is_available():
             raise SettingsError(f"OWL_DEVICE={device!r} but no CUDA device is available; use OWL_DEVICE=cpu")
+        if v["kv_recompute_every"] and v["kv_cache"] == "none":
+            raise SettingsError(f"{source('kv_recompute_every')} rebuilds the KV cache, but "
+                                f"{source('kv_cache')} runs without one; unset one of them")
         backend = v["attn_backend"]
         if backend == "auto":
             backend = "flex" if device.startswith("cuda") else "sdpa"
@@ -299,6 +318,9 @@ class Settings:
                    attn_backend=backend, attn_backend_decode="sdpa" if v["attn_sdpa_decode"] else backend,
                    kv_cache=v["kv_cache"], profile_kv=v["profile_kv"],
                    profile_kv_first=v["profile_kv_first"], profile_kv_every=v["profile_kv_every"],
+                   kv_recompute_every=v["kv_recompute_every"], kv_recompute_anchor=v["kv_recompute_anchor"],
+                   kv_cache_attention_bias=float(v["kv_cache_attention_bias"]),
+                   tp_check_every=v["tp_check_every"], tp_timeout_s=float(v["tp_timeout_s"]),
                    kv=KVSettings.resolve(v, source, v["kv_cache"]))
 
     def replace(self, **changes) -> "Settings":
@@ -309,4 +331,7 @@ class Settings:
         return (f"device={self.device} dtype={dtype} seed={self.seed} compile={int(self.compile)} "
                 f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
                 + (f"[{self.kv.describe()}] " if self.kv_cache != "none" else "")
+                + (f"recompute_every={self.kv_recompute_every}({self.kv_recompute_anchor}) "
+                   if self.kv_recompute_every else "")
+                + (f"attn_bias={self.kv_cache_attention_bias:g} " if self.kv_cache_attention_bias else "")
                 + f"profile_kv={int(self.profile_kv)}")

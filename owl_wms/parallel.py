@@ -1,0 +1,226 @@
+"""Tensor parallelism over torch.distributed: attention heads and MLP columns split across ranks.
+
+Megatron-style sharding built on torch.distributed collectives. Rank r keeps the q/k/v rows
+of its heads (the qkv weight is laid out (three, heads, dh), so a contiguous split would cut
+across q/k/v - we slice per head instead), the matching input columns of the attention
+output, and a slice of the MLP's hidden units; the two row-parallel projections all-reduce
+their partial sums. Each rank's KV cache holds only its heads. Everything else (embeddings,
+AdaLN, the final layer) is replicated and computed identically everywhere.
+
+Launch: ``torchrun --nproc-per-node N -m inference.game_cv --headless --tp N``. gloo on CPU,
+NCCL on GPU. Rank 0 plans every step and broadcasts it (an ``inference.lifecycle.StepPlan``:
+the envelope); every rank validates it before any collective, and the ranks vote, so a bad
+envelope fails every rank with the same message instead of hanging a collective. Start-up
+compares a digest of settings, model config and weights; every K steps an all-gather compares
+lifecycle scalars and cache offsets. A rank that fails writes its error to the rendezvous
+store and closes its process group, so its peers stop waiting at once and report that error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+ERROR_KEY = "owl/tp/error"
+
+
+class TPError(RuntimeError):
+    """Tensor-parallel ranks disagree or one failed; the message names the rank and the cause."""
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short digest of the full (unsharded) weights: ranks must load the same checkpoint."""
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(repr((tuple(p.shape), float(p.double().sum()), float(p.double().abs().sum()))).encode())
+    return h.hexdigest()[:16]
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard @ W_shard^T) + b: the input features are split across ranks."""
+
+    def __init__(self, linear: nn.Linear, cols: slice, comm: "ParallelContext"):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone(), requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.comm = comm
+
+    def forward(self, x):
+        return self.comm.all_reduce(F.linear(x, self.weight)) + self.bias
+
+
+def _rows(linear: nn.Linear, rows) -> nn.Linear:
+    out = nn.Linear(linear.in_features, len(rows), bias=True)
+    out.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+    out.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+    return out
+
+
+class ParallelContext:
+    """This process's place in a tensor-parallel group, and every collective the model uses."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float, check_every: int):
+        self.rank, self.world, self.timeout_s, self.check_every = rank, world, timeout_s, check_every
+        self.store = dist.distributed_c10d._get_default_store()
+        self.collectives = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def launch(cls, tp: int, device: str, timeout_s: float, check_every: int) -> "ParallelContext":
+        """Join the process group torchrun set up; its size must be ``tp``."""
+        if dist.is_initialized():
+            raise TPError("torch.distributed is already initialised in this process")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        except ValueError as exc:  # env:// without torchrun's variables
+            raise TPError(f"--tp {tp} needs {tp} processes started by torchrun: run "
+                          f"'torchrun --nproc-per-node {tp} -m inference.game_cv --headless --tp {tp} ...' "
+                          f"({exc})") from None
+        world = dist.get_world_size()
+        if world != tp:
+            dist.destroy_process_group()
+            raise TPError(f"--tp {tp} but torchrun started {world} processes; use --nproc-per-node {tp}")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        return cls(dist.get_rank(), world, timeout_s, check_every)
+
+    # -- sharding ------------------------------------------------------------------------------
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model config one rank's cache sees: its heads only (head_dim unchanged)."""
+        return dataclasses.replace(cfg, n_heads=cfg.n_heads // self.world, d_model=cfg.d_model // self.world)
+
+    def check_divisible(self, cfg: ModelConfig):
+        if cfg.n_heads % self.world:
+            raise TPError(f"--tp {self.world}: the model has {cfg.n_heads} attention heads, not divisible by "
+                          f"{self.world}; use a --tp that divides {cfg.n_heads}")
+
+    @torch.no_grad()
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Keep this rank's heads and MLP slice in every block (in place)."""
+        cfg = model.config
+        self.check_divisible(cfg)
+        r, n = self.rank, self.world
+        for block in model.core.transformer.blocks:
+            attn, mlp = block.attn, block.mlp
+            h, dh = attn.n_heads, attn.qkv.in_features // attn.n_heads
+            hl = h // n
+            heads = torch.arange(r * hl, (r + 1) * hl)
+            rows = (torch.arange(3)[:, None, None] * h * dh + heads[None, :, None] * dh
+                    + torch.arange(dh)[None, None, :]).flatten()  # (three, my heads, dh)
+            attn.qkv = _rows(attn.qkv, rows)
+            attn.n_heads = hl
+            attn.out = RowParallelLinear(attn.out, slice(r * hl * dh, (r + 1) * hl * dh), self)
+            hidden = mlp.fc1.out_features
+            if hidden % n:
+                raise TPError(f"--tp {n}: the MLP's {hidden} hidden units do not split evenly")
+            part = slice(r * hidden // n, (r + 1) * hidden // n)
+            mlp.fc1 = _rows(mlp.fc1, torch.arange(hidden)[part])
+            mlp.fc2 = RowParallelLinear(mlp.fc2, part, self)
+        return model
+
+    # -- collectives ---------------------------------------------------------------------------
+    @torch.compiler.disable
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.collectives += 1
+        dist.all_reduce(x)
+        return x
+
+    def agree(self, digest: dict) -> None:
+        """Start-up tripwire: every rank's settings, config and weights digest must match rank 0's."""
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, digest)
+        bad = []
+        for r, d in enumerate(gathered):
+            diff = sorted(k for k in set(d) | set(gathered[0]) if d.get(k) != gathered[0].get(k))
+            if diff:
+                bad.append(f"rank {r} differs from rank 0 in {', '.join(diff)}: "
+                           + "; ".join(f"{k}={d.get(k)!r} vs {gathered[0].get(k)!r}" for k in diff))
+        if bad:
+            raise TPError("tensor-parallel ranks were started with different settings (every rank must run the "
+                          "same command and environment): " + " | ".join(bad))
+
+    def vote(self, error: str | None) -> None:
+        """Every rank says whether it may proceed; if any may not, all raise the same error."""
+        flag = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(flag)
+        if int(flag):
+            errors = [None] * self.world
+            dist.all_gather_object(errors, error)
+            raise TPError("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+
+    def exchange(self, plan, lifecycle, pending_error: str | None):
+        """Rank 0 sends its plan (None elsewhere); every rank checks it, then all vote."""
+        box = [plan if self.is_leader else None]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+        error = pending_error
+        if error is None:
+            try:
+                lifecycle.expect(plan)
+            except RuntimeError as exc:
+                error = f"rejected the envelope ({plan.summary()}): {exc}"
+        self.vote(error)
+        return plan
+
+    def check_scalars(self, names: list[str], values: list[float]) -> None:
+        """Periodic tripwire: an all-gather of lifecycle scalars; any difference fails every rank."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        gathered = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine)
+        for r, theirs in enumerate(gathered[1:], start=1):
+            if not torch.equal(theirs, gathered[0]):
+                diff = [f"{n}={float(a):g} vs {float(b):g}" for n, a, b in zip(names, theirs, gathered[0]) if a != b]
+                raise TPError(f"lifecycle check failed: rank {r} differs from rank 0 in {', '.join(diff)}")
+
+    # -- failure -------------------------------------------------------------------------------
+    def fail(self, exc: BaseException) -> None:
+        """This rank raised: publish the error and drop out of the group so peers stop waiting."""
+        if isinstance(exc, TPError) or not dist.is_initialized():
+            return  # every rank raised it already (a vote or a check)
+        try:
+            self.store.set(ERROR_KEY, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            dist.destroy_process_group()
+            time.sleep(1.0)  # let peers read the store before torchrun stops the job
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """A collective failed or timed out here: name the rank that caused it, if one said."""
+        if isinstance(exc, TPError):
+            return exc
+        try:
+            self.store.wait([ERROR_KEY], datetime.timedelta(seconds=2))
+            cause = self.store.get(ERROR_KEY).decode()
+        except Exception:  # noqa: BLE001
+            cause = None
+        if cause:
+            return TPError(f"stopped because {cause}")
+        return TPError(f"a collective failed on rank {self.rank} (a peer crashed or exceeded OWL_TP_TIMEOUT="
+                       f"{self.timeout_s:g}s): {str(exc).splitlines()[0][:300]}")
+
+    def shutdown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def digest(settings, world, weights: str) -> dict:
+    """What every rank must agree on, as comparable strings."""
+    s = {f.name: str(getattr(settings, f.name)) for f in dataclasses.fields(settings)}
+    return {**{f"settings.{k}": v for k, v in s.items()},
+            "model": json.dumps(dataclasses.asdict(world.model), sort_keys=True),
+            "pipeline": json.dumps(dataclasses.asdict(world.pipeline), sort_keys=True, default=str),
+            "vae_scale": repr(world.vae_scale), "weights": weights}
