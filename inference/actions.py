@@ -4,7 +4,7 @@ File format: one JSON object per line. A frame: ``{"mouse": [dx, dy], "buttons":
 buttons in the order W A S D LSHIFT SPACE R F E LMB RMB. A play session may also record
 pipeline events between frames, replayed in order: ``{"event": "restart"}``,
 ``{"event": "clip", "clip": 1}``, ``{"event": "world_seed", "seed": 7}``,
-``{"event": "ground_truth", "on": true}``. Blank lines are skipped.
+``{"event": "ground_truth", "on": true}``, ``{"event": "bias", "value": -1.5}`` (soft forgetting). Blank lines are skipped.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .causvid_pipeline import BUTTONS
 
 Action = tuple[list[float], list[int]]
 BUILTIN = ("idle", "forward", "turn", "walk_turn", "random")
-EVENTS = {"restart": (), "clip": ("clip",), "world_seed": ("seed",), "ground_truth": ("on",)}
+EVENTS = {"restart": (), "clip": ("clip",), "world_seed": ("seed",), "ground_truth": ("on",), "bias": ("value",)}
 
 
 def _press(*names: str) -> list[int]:
@@ -106,6 +106,8 @@ def apply_event(pipe, event: dict):
         pipe.load_clip(int(event["clip"]))
     elif name == "world_seed":
         pipe.load_world(int(event["seed"]))
+    elif name == "bias":
+        pipe.kv_cache_attention_bias = float(event["value"])
     elif name == "ground_truth":
         pipe.ground_truth = bool(event["on"])
         if pipe.ground_truth:

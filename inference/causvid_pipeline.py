@@ -25,7 +25,7 @@ from owl_wms.cache import QuantizedStaticCache, build_cache, describe_plan, plan
 from owl_wms.clips import Clip, list_clips, load_clip
 from owl_wms.config import WorldConfig, load_config
 from owl_wms.loading import build_model, load_weights, read_state_dict
-from owl_wms.parallel import ParallelContext, TPError, digest, fingerprint
+from owl_wms.parallel import ParallelContext, TPError, digest, fingerprint, is_collective_error
 from owl_wms.settings import KVSettings, Settings
 from owl_wms.vae import FrameDecoder, load_decoder
 
@@ -356,12 +356,14 @@ class CausvidPipeline:
             if plan.event == "stop" or self.lifecycle.call_id % self.tp.check_every == 0:
                 names = [*Lifecycle.SCALAR_NAMES, *(f"offset{i}" for i in range(self.cfg.n_layers))]
                 offsets = [self.cache.get_offset(i) if self.cache is not None else 0 for i in range(self.cfg.n_layers)]
-                self.tp.check_scalars(names, [*self.lifecycle.scalars(), *offsets])
+                agreed = self.tp.check_scalars(names, [*self.lifecycle.scalars(), *offsets])
+                if plan.event == "stop" and self.verbose:
+                    print(f"[owl] tensor parallel: {self.tp.world} ranks agree at stop: {agreed}", flush=True)
             return plan, x
         except TPError:
             raise
         except Exception as exc:  # noqa: BLE001 - a collective broke: a peer died or timed out
-            if isinstance(exc, torch.distributed.DistError) or "gloo" in str(exc) or "NCCL" in str(exc):
+            if is_collective_error(exc):
                 raise self.tp.explain(exc) from exc
             raise
 

@@ -2,6 +2,7 @@
 
     python -m inference.game_cv                                   # play the default world
     python -m inference.game_cv --headless --frames 64 --out x.mp4 --actions walk_turn
+    torchrun --nproc-per-node 2 -m inference.game_cv --headless --tp 2 --out x.mp4   # heads on 2 ranks
 """
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from pathlib import Path
 from owl_wms.clips import load_clip
 from owl_wms.config import ConfigError, load_config
 from owl_wms.loading import CheckpointError
+from owl_wms.parallel import ParallelContext, TPError, is_collective_error
 from owl_wms.settings import Settings, SettingsError
 
 from .actions import BUILTIN, apply_event, is_event, load_actions
-from .causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
-from .video import Mp4Writer, OutputPathError, StopOnSigint
+from .causvid_pipeline import DEFAULT_CHECKPOINT, TP_FAULTS, CausvidPipeline
+from .lifecycle import LifecycleError
+from .video import Mp4Writer, OutputPathError, StopOnSigint, check_output_path
 
-USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError)
+USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError, TPError,
+               LifecycleError)
 
 
 def parse_args(argv=None):
@@ -41,6 +45,12 @@ def parse_args(argv=None):
                    help=f"built-in script ({', '.join(BUILTIN)}; 'random:SEED') or a JSON-lines action file")
     p.add_argument("--fps", type=float, default=15.0, help="frame rate written into the video")
     p.add_argument("--scale", type=int, default=4, help="integer upscaling of the video / window")
+    p.add_argument("--save-frames", default=None,
+                   help="--headless: also save the raw uint8 frames [n, H, W, 3] to this .npy (exact comparisons)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel ranks (heads and MLP split across processes; launch with torchrun "
+                        "--nproc-per-node N)")
+    p.add_argument("--tp-fault", choices=TP_FAULTS, default=None, help=argparse.SUPPRESS)  # tests: rank 1 misbehaves
     play = p.add_argument_group("play (window) options")
     play.add_argument("--target-fps", type=float, default=60.0, help="window refresh rate (frame pacing)")
     play.add_argument("--smooth", action="store_true", help="smooth scaling instead of integer (nearest)")
@@ -56,18 +66,26 @@ def parse_args(argv=None):
         p.error(f"--frames {args.frames}: must be >= 1")
     if args.scale < 1:
         p.error(f"--scale {args.scale}: must be >= 1")
+    if args.tp < 1:
+        p.error(f"--tp {args.tp}: must be >= 1")
     return args
 
 
-def build_pipeline(args) -> CausvidPipeline:
+def resolve_settings(args) -> Settings:
     checkpoint = Path(args.checkpoint)
     cfg_path = checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint
     settings = Settings.resolve(load_config(cfg_path).inference)
-    if args.seed is not None:
-        settings = settings.replace(seed=args.seed)
+    return settings.replace(seed=args.seed) if args.seed is not None else settings
+
+
+def build_pipeline(args, tp: ParallelContext | None = None) -> CausvidPipeline:
+    """The pipeline with its first history; TP ranks other than 0 get theirs from rank 0."""
+    settings = resolve_settings(args)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
-    pipe = CausvidPipeline.from_checkpoint(checkpoint, args.ckpt, settings=settings, clip=clip,
-                                           ground_truth=args.ground_truth)
+    pipe = CausvidPipeline.from_checkpoint(Path(args.checkpoint), args.ckpt, settings=settings, clip=clip,
+                                           ground_truth=args.ground_truth, tp=tp, tp_fault=args.tp_fault)
+    if tp is not None and not tp.is_leader:
+        return pipe
     if args.world_seed is not None:
         pipe.load_world(args.world_seed)
     elif clip is None:
@@ -75,16 +93,37 @@ def build_pipeline(args) -> CausvidPipeline:
     return pipe
 
 
-def run_headless(args) -> int:
+def launch_tp(args) -> ParallelContext | None:
+    if args.tp == 1:
+        return None
+    settings = resolve_settings(args)
+    return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every)
+
+
+def save_frames(path: Path, frames: list):
+    """Raw frames as one .npy, written atomically."""
+    import numpy as np
+
+    tmp = path.with_name(f".{path.name}.partial.npy")
+    np.save(tmp, np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8))
+    tmp.replace(path)
+
+
+def run_headless(args, tp: ParallelContext | None = None) -> int:
     from tqdm import tqdm
 
+    if tp is not None and not tp.is_leader:  # a follower: rank 0 owns input, decoding and output
+        build_pipeline(args, tp).follow()
+        return 0
     items = load_actions(args.actions, args.frames, seed=args.seed or 0)
+    frames_path = check_output_path(args.save_frames, suffix=".npy") if args.save_frames else None
     writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
     interrupted, error = False, None
     pipe_seconds = 0.0
+    raw = []
     try:
         with StopOnSigint() as stop:
-            pipe = build_pipeline(args)
+            pipe = build_pipeline(args, tp)
             start = time.perf_counter()
             bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
             for item in items:
@@ -97,14 +136,19 @@ def run_headless(args) -> int:
                 frame, secs = pipe(*item)
                 pipe_seconds += secs
                 writer.write(frame.numpy())
+                if frames_path is not None:
+                    raw.append(frame.numpy())
                 bar.update(1)
             bar.close()
+            pipe.close()  # TP: the other ranks stop after a last vote and lifecycle check
     except KeyboardInterrupt:
         interrupted = True
     except Exception as exc:  # the video of the frames so far is still finalised and reported
         error = exc
     finally:
         path = writer.close()
+        if frames_path is not None and raw:
+            save_frames(frames_path, raw)
     n = writer.frames
     if n:
         total = time.perf_counter() - start
@@ -136,11 +180,28 @@ def run_play(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    tp = None
     try:
-        return run_headless(args) if args.headless else run_play(args)
+        tp = launch_tp(args)
+        if tp is not None and not args.headless:
+            raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
+        return run_headless(args, tp) if args.headless else run_play(args)
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if tp is not None:
+            tp.fail(exc)
+        prefix = f"rank {tp.rank}: " if tp is not None and not isinstance(exc, TPError) else ""
+        print(f"error: {prefix}{exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        if tp is not None and is_collective_error(exc):  # a peer failed first: report its error
+            print(f"error: rank {tp.rank}: {tp.explain(exc)}", file=sys.stderr)
+            return 2
+        if tp is not None:
+            tp.fail(exc)  # peers stop waiting and report this error
+        raise
+    finally:
+        if tp is not None:
+            tp.shutdown()
 
 
 if __name__ == "__main__":

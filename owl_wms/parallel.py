@@ -37,6 +37,12 @@ class TPError(RuntimeError):
     """Tensor-parallel ranks disagree or one failed; the message names the rank and the cause."""
 
 
+def is_collective_error(exc: BaseException) -> bool:
+    """A collective broke under us (a peer closed its connection or the timeout passed)."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and (
+        "gloo" in str(exc) or "NCCL" in str(exc) or "Connection closed" in str(exc)))
+
+
 def fingerprint(model: nn.Module) -> str:
     """A short digest of the full (unsharded) weights: ranks must load the same checkpoint."""
     h = hashlib.sha256()
@@ -176,8 +182,9 @@ class ParallelContext:
         self.vote(error)
         return plan
 
-    def check_scalars(self, names: list[str], values: list[float]) -> None:
-        """Periodic tripwire: an all-gather of lifecycle scalars; any difference fails every rank."""
+    def check_scalars(self, names: list[str], values: list[float]) -> str:
+        """Periodic tripwire: an all-gather of lifecycle scalars; any difference fails every rank.
+        Returns the agreed values as text."""
         mine = torch.tensor(values, dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
@@ -185,6 +192,7 @@ class ParallelContext:
             if not torch.equal(theirs, gathered[0]):
                 diff = [f"{n}={float(a):g} vs {float(b):g}" for n, a, b in zip(names, theirs, gathered[0]) if a != b]
                 raise TPError(f"lifecycle check failed: rank {r} differs from rank 0 in {', '.join(diff)}")
+        return " ".join(f"{n}={v:g}" for n, v in zip(names, values))
 
     # -- failure -------------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
@@ -208,7 +216,7 @@ class ParallelContext:
         except Exception:  # noqa: BLE001
             cause = None
         if cause:
-            return TPError(f"stopped because {cause}")
+            return TPError(f"rank {self.rank} stopped because {cause}")
         return TPError(f"a collective failed on rank {self.rank} (a peer crashed or exceeded OWL_TP_TIMEOUT="
                        f"{self.timeout_s:g}s): {str(exc).splitlines()[0][:300]}")
 

@@ -1,0 +1,88 @@
+"""Tensor parallelism on CPU: 2 gloo processes started by torchrun, against one process."""
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from owl_wms.parallel import ParallelContext, TPError
+from tests.conftest import REPO, tiny_config
+
+ENV = {"OWL_DTYPE": "fp32", "OWL_DEVICE": "cpu"}
+
+
+def game(tmp_path, *args, tp=2, env=None, actions=None, timeout=240):
+    """Run the headless game (under torchrun when tp > 1); returns (rc, output, seconds)."""
+    import os
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
+           "-m", "inference.game_cv"] if tp > 1 else [sys.executable, "-m", "inference.game_cv"]
+    if actions is not None:
+        path = tmp_path / "actions.jsonl"
+        path.write_text("".join(json.dumps(a) + "\n" for a in actions))
+        args = (*args, "--actions", str(path))
+    full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWL_")}, **ENV, **(env or {})}
+    start = time.perf_counter()
+    p = subprocess.run([*cmd, "--headless", "--tp", str(tp), *args], cwd=REPO, env=full_env, capture_output=True,
+                       text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr, time.perf_counter() - start
+
+
+FRAME = {"mouse": [4.0, 0.0], "buttons": [1] + [0] * 10}
+SCRIPT = [FRAME] * 4 + [{"event": "restart"}, {"event": "bias", "value": -1.0}] + [FRAME] * 4
+
+
+def test_tp2_matches_one_process_through_cut_bias_and_recompute(tmp_path):
+    """Rank 0 broadcasts every step; frames match the single-process run, and after the hard
+    cut every rank restarted its epoch and offsets (checked by the all-gather after every step)."""
+    env = {"OWL_KV_RECOMPUTE_EVERY": "3", "OWL_TP_CHECK_EVERY": "1"}
+    frames = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.npy"
+        rc, log, _ = game(tmp_path, "--out", str(tmp_path / f"tp{tp}.mp4"), "--save-frames", str(out), tp=tp,
+                          env=env, actions=SCRIPT)
+        assert rc == 0, log
+        frames[tp] = np.load(out).astype(int)
+    assert frames[1].shape == (8, 64, 64, 3)
+    assert np.abs(frames[1] - frames[2]).max() <= 1  # <= 1/255 in fp32
+    agreed = next(line for line in log.splitlines() if "ranks agree at stop" in line)
+    tpf = 64
+    # epoch 2 after the cut; 4 frames since, with a recompute at the 3rd: W=32 anchor + 1 frame
+    assert "epoch=2 " in agreed and "frame=4 " in agreed and f"offset0={(32 + 1) * tpf} " in agreed, agreed
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("settings", "ranks were started with different settings.*settings.seed"),
+    ("calls", "rank 1: made 3 model calls in step call 3 frame.*expected 2"),
+    ("envelope", "rank 1: rejected the envelope.*call id 2, expected 3"),
+    ("raise", "rank 0 stopped because rank 1: RuntimeError: injected fault"),
+])
+def test_broken_rank_fails_every_rank_fast_with_a_clear_message(tmp_path, fault, message):
+    import re
+
+    rc, log, secs = game(tmp_path, "--frames", "6", "--out", str(tmp_path / "x.mp4"), "--tp-fault", fault)
+    assert rc != 0
+    assert re.search(message, log), log[-3000:]
+    assert secs < 60, f"took {secs:.0f}s: a rank waited for a collective instead of failing"
+
+
+def test_tp_without_torchrun_says_how_to_launch(tmp_path):
+    import os
+    import subprocess
+
+    env = {**{k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")},
+           **ENV}
+    p = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--tp", "2", "--frames", "2",
+                        "--out", str(tmp_path / "x.mp4")], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2
+    assert "torchrun --nproc-per-node 2 -m inference.game_cv" in p.stderr
+
+
+def test_heads_must_divide_across_ranks():
+    ctx = ParallelContext.__new__(ParallelContext)
+    ctx.world = 3
+    with pytest.raises(TPError, match="4 attention heads, not divisible by 3"):
+        ctx.check_divisible(tiny_config(n_heads=4))
