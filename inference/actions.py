@@ -4,7 +4,8 @@ File format: one JSON object per line. A frame: ``{"mouse": [dx, dy], "buttons":
 buttons in the order W A S D LSHIFT SPACE R F E LMB RMB. A play session may also record
 pipeline events between frames, replayed in order: ``{"event": "restart"}``,
 ``{"event": "clip", "clip": 1}``, ``{"event": "world_seed", "seed": 7}``,
-``{"event": "ground_truth", "on": true}``, ``{"event": "bias", "value": -1.5}`` (soft forgetting). Blank lines are skipped.
+``{"event": "ground_truth", "on": true}``, ``{"event": "bias", "value": -1.5}`` (soft forgetting),
+``{"event": "snapshot"}`` / ``{"event": "restore"}`` (branch: return to the snapshot's state). Blank lines are skipped.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from .causvid_pipeline import BUTTONS
 
 Action = tuple[list[float], list[int]]
 BUILTIN = ("idle", "forward", "turn", "walk_turn", "random")
-EVENTS = {"restart": (), "clip": ("clip",), "world_seed": ("seed",), "ground_truth": ("on",), "bias": ("value",)}
+EVENTS = {"restart": (), "clip": ("clip",), "world_seed": ("seed",), "ground_truth": ("on",), "bias": ("value",),
+          "snapshot": (), "restore": ()}
 
 
 def _press(*names: str) -> list[int]:
@@ -108,6 +110,12 @@ def apply_event(pipe, event: dict):
         pipe.load_world(int(event["seed"]))
     elif name == "bias":
         pipe.kv_cache_attention_bias = float(event["value"])
+    elif name == "snapshot":
+        pipe.bookmark = pipe.get_state()
+    elif name == "restore":
+        if getattr(pipe, "bookmark", None) is None:
+            raise ValueError("restore event before any snapshot event")
+        pipe.load_state(pipe.bookmark)
     elif name == "ground_truth":
         pipe.ground_truth = bool(event["on"])
         if pipe.ground_truth:

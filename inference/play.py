@@ -8,6 +8,7 @@ game buttons:
   Esc quit   F1 overlay   F2 pause   F3 step one frame (paused)   F4 ground-truth replay
   F5 restart clip   F6 next clip   F7 new simulator level   F8 mouse grab
   F9 record   F10 / F11 mouse sensitivity down / up   F12 screenshot
+  Insert snapshot (branch point)   Home restore the snapshot   PageDown / PageUp history bias -/+ 0.5
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ DEFAULT_BINDINGS = {"W": "w", "A": "a", "S": "s", "D": "d", "LSHIFT": "left shif
 CONTROL_KEYS = {pygame.K_ESCAPE: "quit", pygame.K_F1: "overlay", pygame.K_F2: "pause", pygame.K_F3: "step",
                 pygame.K_F4: "ground_truth", pygame.K_F5: "restart", pygame.K_F6: "next_clip",
                 pygame.K_F7: "new_level", pygame.K_F8: "grab", pygame.K_F9: "record",
-                pygame.K_F10: "sensitivity_down", pygame.K_F11: "sensitivity_up", pygame.K_F12: "screenshot"}
+                pygame.K_F10: "sensitivity_down", pygame.K_F11: "sensitivity_up", pygame.K_F12: "screenshot",
+                pygame.K_INSERT: "snapshot", pygame.K_HOME: "restore",
+                pygame.K_PAGEDOWN: "bias_down", pygame.K_PAGEUP: "bias_up"}
 
 
 def parse_bindings(bindings: dict | None) -> tuple[dict[int, int], dict[int, int]]:
@@ -110,6 +113,7 @@ class FrameResult:
     decode_ms: float
     mouse: list
     buttons: list
+    epoch: int = 0  # the cache epoch the frame was made in (a hard cut starts a new one)
 
 
 class Worker(threading.Thread):
@@ -186,7 +190,8 @@ class Worker(threading.Thread):
                 frame = self.pipe.decode(latent).numpy()
                 t2 = time.perf_counter()
                 self.frames += 1
-                self._emit(FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls))
+                self._emit(FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls,
+                                       epoch=self.pipe.cache_epoch))
         except BaseException as exc:  # surfaced by the event loop
             self.error = exc
 
@@ -280,8 +285,11 @@ class Game:
             w.step_once()
         elif name == "ground_truth":
             w.commands.put({"event": "ground_truth", "on": not self.pipe.ground_truth})
-        elif name == "restart":
-            w.commands.put({"event": "restart"})
+        elif name in ("restart", "snapshot", "restore"):
+            w.commands.put({"event": name})
+        elif name in ("bias_down", "bias_up"):
+            bias = self.pipe.kv_cache_attention_bias + (0.5 if name == "bias_up" else -0.5)
+            w.commands.put({"event": "bias", "value": max(-100.0, min(100.0, bias))})
         elif name == "next_clip":
             n = max(1, len(self.pipe.clip_paths))
             self.clip_index = (self.clip_index + 1) % n
@@ -357,7 +365,8 @@ class Game:
             f"FPS {self.clock.get_fps():5.1f}  pipeline {1000 / mean(self.pipe_ms) if self.pipe_ms else 0:5.1f}",
             f"denoise {r.denoise_ms if r else 0:5.1f} ms  decode {r.decode_ms if r else 0:4.1f} ms  "
             f"draw {mean(self.draw_ms):4.1f} ms",
-            f"kv {self.pipe.settings.kv_cache} {self.pipe.kv_bytes / 2**20:.1f} MiB  frame {r.index if r else 0}  {state}",
+            f"kv {self.pipe.settings.kv_cache} {self.pipe.kv_bytes / 2**20:.1f} MiB  frame {r.index if r else 0}  "
+            f"epoch {r.epoch if r else 0}  bias {self.pipe.kv_cache_attention_bias:g}  {state}",
             f"mouse {r.mouse if r else [0, 0]} sens {self.controls.sensitivity:g}",
             "held " + (" ".join(held) or "-"),
         ]

@@ -75,8 +75,11 @@ def _rows(linear: nn.Linear, rows) -> nn.Linear:
 class ParallelContext:
     """This process's place in a tensor-parallel group, and every collective the model uses."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float, check_every: int):
+    def __init__(self, rank: int, world: int, timeout_s: float, check_every: int, reduce_fp32: bool = True):
         self.rank, self.world, self.timeout_s, self.check_every = rank, world, timeout_s, check_every
+        # gloo reduces bf16 element by element (measured 1.7 ms vs 0.7 ms in fp32 for a 64x256
+        # activation on this CPU); fp32 also rounds the sum of partials once. NCCL keeps bf16.
+        self.reduce_fp32 = reduce_fp32
         self.store = dist.distributed_c10d._get_default_store()
         self.collectives = 0
 
@@ -102,7 +105,7 @@ class ParallelContext:
             raise TPError(f"--tp {tp} but torchrun started {world} processes; use --nproc-per-node {tp}")
         if device.startswith("cuda"):
             torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        return cls(dist.get_rank(), world, timeout_s, check_every)
+        return cls(dist.get_rank(), world, timeout_s, check_every, reduce_fp32=backend == "gloo")
 
     # -- sharding ------------------------------------------------------------------------------
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -142,6 +145,10 @@ class ParallelContext:
     @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.collectives += 1
+        if self.reduce_fp32 and x.dtype != torch.float32:
+            y = x.float()
+            dist.all_reduce(y)
+            return y.to(x.dtype)
         dist.all_reduce(x)
         return x
 

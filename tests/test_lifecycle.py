@@ -246,3 +246,23 @@ def test_profile_line_reports_epoch_and_event(capsys):
     assert [line.split()[2:4] for line in lines] == [["epoch=1", "event=frame"], ["epoch=1", "event=recompute"],
                                                      ["epoch=1", "event=frame"]]
     assert "recompute_ms=" in lines[1]
+
+
+def test_snapshot_and_restore_events_branch_a_headless_rollout(tmp_path):
+    """Action files can branch: frames after 'restore' repeat the frames after 'snapshot'."""
+    import json
+
+    import numpy as np
+
+    from inference.game_cv import main
+
+    frame = {"mouse": [4.0, 0.0], "buttons": [1] + [0] * 10}
+    script = [frame] * 2 + [{"event": "snapshot"}] + [frame] * 3 + [{"event": "bias", "value": -3.0}, frame,
+                                                                   {"event": "restore"}] + [frame] * 3
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in script))
+    assert main(["--headless", "--actions", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "a.mp4"),
+                 "--save-frames", str(tmp_path / "a.npy")]) == 0
+    f = np.load(tmp_path / "a.npy")
+    assert f.shape[0] == 9 and (tmp_path / "a.mp4").is_file()
+    assert np.array_equal(f[2:5], f[6:9])  # the restored branch replays exactly (bias back to 0)
+    assert not np.array_equal(f[5], f[2])
