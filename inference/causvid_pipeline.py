@@ -96,12 +96,15 @@ class CausvidPipeline:
         self.generator = torch.Generator().manual_seed(s.seed)
         # The per-layer cache plan is built (and checked against the model) at start-up.
         self.kv_plan = plan_layers(self.cache_cfg, s.kv, self.window) if s.kv_cache != "none" else None
-        self.profiler = KVProfiler(s.device, s.profile_kv_first, s.profile_kv_every) if s.profile_kv else None
+        # Under tensor parallelism rank 0 profiles (its comm time includes waiting for the others).
+        profile = s.profile_kv and (tp is None or tp.is_leader)
+        self.profiler = KVProfiler(s.device, s.profile_kv_first, s.profile_kv_every) if profile else None
         if self.profiler and not s.compile:  # compiled blocks cannot be timed from outside
             for block in self.core.transformer.blocks:
                 self.profiler.instrument(block.attn, "attend_out", "attn")
-        if self.profiler and tp is not None:
-            self.profiler.instrument(tp, "all_reduce", "comm")
+        if self.profiler and tp is not None:  # all-reduces in the model + the envelope exchange and checks
+            for method in ("all_reduce", "exchange", "check_scalars"):
+                self.profiler.instrument(tp, method, "comm")
         self._anchor: collections.deque = collections.deque(maxlen=self.window)  # committed clean frames
         self._step_error: str | None = None  # TP: a problem found after a step, voted on at the next one
         self.ground_truth = ground_truth
@@ -236,19 +239,27 @@ class CausvidPipeline:
         latents, mouse, buttons = self.clip.history(self.window)
         return self.hard_cut(latents / self.vae_scale, mouse, buttons)
 
-    def hard_cut(self, history: torch.Tensor | None = None, mouse=None, buttons=None, *, images=None,
-                 reseed: bool = True) -> int:
+    def hard_cut(self, history: torch.Tensor | None = None, mouse=None, buttons=None, *, images=None, clip=None,
+                 world_seed: int | None = None, reseed: bool = True) -> int:
         """Start a new cache epoch from a new history and return the epoch.
 
-        ``history``: model-space latents [n, c, h, w] (latents / vae_scale), or ``images``:
-        uint8 RGB frames [n, H, W, 3] encoded with the VAE; n <= window. ``mouse`` [n, 2] and
-        ``buttons`` [n, 11] default to no input. Every index restarts: positions, offsets,
-        frame count; ``reseed`` restarts the noise generator at the settings' seed (so a cut
-        to the same history replays the same frames). For a clip or a fresh level use
-        ``load_clip`` / ``load_world``, which cut the same way.
+        The history is one of: ``history``, model-space latents [n, c, h, w] (latents /
+        vae_scale); ``images``, uint8 RGB frames [n, H, W, 3] encoded with the VAE (n <= window);
+        ``clip`` (as ``load_clip``); ``world_seed``, a fresh simulator level (as ``load_world``).
+        ``mouse`` [n, 2] and ``buttons`` [n, 11] default to no input. Every index restarts:
+        positions, offsets, frame count; ``reseed`` restarts the noise generator at the
+        settings' seed (so a cut to the same history replays the same frames).
         """
-        if (history is None) == (images is None):
-            raise ValueError("hard_cut needs exactly one of history= (latents) or images= (uint8 frames)")
+        given = [x is not None for x in (history, images, clip, world_seed)]
+        if sum(given) != 1:
+            raise ValueError("hard_cut needs exactly one of history= (latents), images= (uint8 frames), clip= "
+                             "or world_seed=")
+        if clip is not None:
+            self.load_clip(clip)
+            return self.cache_epoch
+        if world_seed is not None:
+            self.load_world(world_seed)
+            return self.cache_epoch
         if images is not None:
             if self.decoder is None:
                 raise RuntimeError("hard_cut(images=...) needs the autoencoder (no decoder loaded)")

@@ -113,6 +113,9 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
     from tqdm import tqdm
 
     if tp is not None and not tp.is_leader:  # a follower: rank 0 owns input, decoding and output
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
         build_pipeline(args, tp).follow()
         return 0
     items = load_actions(args.actions, args.frames, seed=args.seed or 0)

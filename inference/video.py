@@ -86,11 +86,13 @@ def read_frames(path: str | Path) -> np.ndarray:
 
 class StopOnSigint:
     """Ctrl-C becomes a request checked between frames (``requested``), so it can never land
-    inside a write to ffmpeg and truncate the file; a second Ctrl-C interrupts at once."""
+    inside a write to ffmpeg and truncate the file; a second Ctrl-C interrupts at once.
+    SIGTERM is treated the same way (torchrun turns a Ctrl-C into SIGTERM for its workers)."""
 
     def __enter__(self):
         self.requested = False
         self._previous = signal.signal(signal.SIGINT, self._handle)
+        self._previous_term = signal.signal(signal.SIGTERM, self._handle)
         return self
 
     def _handle(self, signum, frame):
@@ -100,3 +102,4 @@ class StopOnSigint:
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self._previous)
+        signal.signal(signal.SIGTERM, self._previous_term)

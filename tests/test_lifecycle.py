@@ -266,3 +266,13 @@ def test_snapshot_and_restore_events_branch_a_headless_rollout(tmp_path):
     assert f.shape[0] == 9 and (tmp_path / "a.mp4").is_file()
     assert np.array_equal(f[2:5], f[6:9])  # the restored branch replays exactly (bias back to 0)
     assert not np.array_equal(f[5], f[2])
+
+
+def test_hard_cut_from_a_clip_or_a_fresh_level_counts_epochs():
+    settings = Settings.resolve({}, {"OWL_DEVICE": "cpu"})
+    pipe = CausvidPipeline.from_checkpoint(settings=settings, verbose=False)  # clip 0: epoch 1
+    pipe.generate([0, 0], [1] + [0] * 10)
+    assert pipe.hard_cut(clip=1) == 2 and pipe.clip.name == pipe.clip_paths[1].stem
+    assert pipe.hard_cut(world_seed=5) == 3 and pipe.frame_index == 0
+    with pytest.raises(ValueError, match="exactly one of"):
+        pipe.hard_cut(clip=1, world_seed=5)
