@@ -295,6 +295,8 @@ class CausvidPipeline:
             self._anchor.extend(zip(clean.float().cpu(), mouse.cpu(), buttons.cpu()))
         self.gt_step = 0
         self._run(self.lifecycle.cut(noised.float().cpu(), mouse.float().cpu(), buttons.float().cpu()))
+        if self.verbose and self.cache_epoch > 1:  # the first history is part of start-up
+            print(f"[owl] hard cut: cache epoch {self.cache_epoch}, {noised.shape[0]} history frames", flush=True)
 
     # -- recompute ---------------------------------------------------------------------------------
     def anchor(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

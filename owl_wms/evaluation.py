@@ -4,7 +4,11 @@ Start from the simulator's real history (encoded), follow its recorded actions a
 decoded frames with what the simulator really shows under the same actions:
 - teacher-forced next-frame PSNR/SSIM (after each prediction, the real frame enters the history);
 - autoregressive PSNR/SSIM per frame index;
-- action sensitivity gap: PSNR with the true actions minus PSNR with another episode's.
+- action sensitivity gap: PSNR with the true actions minus PSNR with another episode's;
+- two diagnostics of what the model learned: the PSNR of simply repeating the last real frame
+  (a next-frame predictor should beat it) and the action response, the PSNR between two
+  predictions from the same history and noise under true and foreign actions (high: the
+  controls barely change the frame).
 """
 from __future__ import annotations
 
@@ -55,5 +59,26 @@ def teacher_forced(pipe, ep: Episode, n: int) -> list[tuple[float, float]]:
         real, m, b = ep.future(k)
         frame = pipe.decode(pipe.generate(m, b, commit=False)).numpy()
         out.append(frame_metrics(frame, real))
+        pipe.observe(pipe.decoder.encode_uint8(real[None])[None] / pipe.vae_scale, m, b)
+    return out
+
+
+def copy_previous(ep: Episode, n: int) -> list[tuple[float, float]]:
+    """Metrics of predicting each next frame as the last real one (no model)."""
+    return [frame_metrics(ep.frames[ep.window + k - 1], ep.future(k)[0]) for k in range(n)]
+
+
+def action_response(pipe, ep: Episode, other: Episode, n: int) -> list[float]:
+    """Teacher-forced PSNR between predictions under ``ep``'s and ``other``'s actions (same noise)."""
+    pipe.load_clip(ep.clip)
+    c, s = pipe.cfg.channels, pipe.cfg.sample_size
+    out = []
+    for k in range(n):
+        real, m, b = ep.future(k)
+        noise = torch.randn((1, 1, c, s, s), generator=pipe.generator)
+        mine = pipe.decode(pipe.generate(m, b, noise=noise, commit=False)).numpy()
+        _, om, ob = other.future(k)
+        theirs = pipe.decode(pipe.generate(om, ob, noise=noise, commit=False)).numpy()
+        out.append(frame_metrics(mine, theirs)[0])
         pipe.observe(pipe.decoder.encode_uint8(real[None])[None] / pipe.vae_scale, m, b)
     return out

@@ -4,7 +4,9 @@
 
 Teacher-forced next-frame PSNR/SSIM, autoregressive PSNR/SSIM per frame index, the action
 sensitivity gap (true actions minus another episode's, over --gap-range), and optionally
-the teacher-forced PSNR of an N-step Euler sampler for comparison (--euler-steps).
+the teacher-forced PSNR of an N-step Euler sampler for comparison (--euler-steps), and two
+diagnostics: copy-previous PSNR (repeat the last real frame) and action response (PSNR between
+teacher-forced predictions under true and foreign actions with the same noise).
 Level seeds start at owl_wms.data.HELD_OUT_SEED (+ --seed-offset): never used in training.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from owl_wms.data import HELD_OUT_SEED
-from owl_wms.evaluation import Episode, autoregressive, teacher_forced
+from owl_wms.evaluation import Episode, action_response, autoregressive, copy_previous, teacher_forced
 
 
 def mean_curve(runs: list[list[tuple[float, float]]], i: int) -> list[float]:
@@ -41,15 +43,18 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pipe = CausvidPipeline.from_checkpoint(args.checkpoint, clip=None)
+    pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise
     seeds = [HELD_OUT_SEED + args.seed_offset + i for i in range(args.episodes)]
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
     eps = [Episode(pipe, s, max(n_ar, args.tf_frames)) for s in tqdm(seeds, desc="episodes", unit="ep")]
-    ar, tf, other, euler = [], [], [], []
+    ar, tf, other, response, euler = [], [], [], [], []
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
+        foreign = eps[(i + 1) % len(eps)]
         ar.append(autoregressive(pipe, ep, n_ar))
         tf.append(teacher_forced(pipe, ep, args.tf_frames))
-        other.append(autoregressive(pipe, ep, hi, actions=eps[(i + 1) % len(eps)]))
+        other.append(autoregressive(pipe, ep, hi, actions=foreign))
+        response.append(action_response(pipe, ep, foreign, args.tf_frames))
     if args.euler_steps:
         two_step = pipe.schedule
         pipe.schedule = tuple(float(t) for t in torch.linspace(1, 0, args.euler_steps + 1))
@@ -66,6 +71,9 @@ def main(argv=None):
         "ar_psnr": ar_psnr, "ar_ssim": ar_ssim,
         "ar_psnr_at_16": ar_psnr[15] if len(ar_psnr) >= 16 else None,
         "action_gap_db": true_gap - other_gap, "gap_range": [lo, hi],
+        # diagnostics: the no-model baseline, and how much foreign actions change a prediction
+        "copy_previous_psnr": float(np.mean([x[0] for ep in eps for x in copy_previous(ep, args.tf_frames)])),
+        "action_response_psnr": float(np.mean([x for r in response for x in r])),
     }
     if euler:
         report[f"teacher_forced_psnr_euler{args.euler_steps}"] = float(np.mean([x[0] for r in euler for x in r]))
@@ -85,7 +93,9 @@ def main(argv=None):
     fig.tight_layout()
     fig.savefig(out / "psnr_curve.png", dpi=100)
     print(f"teacher-forced PSNR {report['teacher_forced_psnr']:.2f} dB, SSIM {report['teacher_forced_ssim']:.3f}; "
-          f"AR PSNR@16 {report['ar_psnr_at_16']}; action gap {report['action_gap_db']:.2f} dB -> {out}")
+          f"AR PSNR@16 {report['ar_psnr_at_16'] or float('nan'):.2f}; action gap {report['action_gap_db']:.2f} dB; "
+          f"copy-previous {report['copy_previous_psnr']:.2f} dB; action response {report['action_response_psnr']:.2f} dB "
+          f"-> {out}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,10 @@ def main(argv=None):
     stats = json.loads((Path(args.latents) / "stats.json").read_text())
     raw = OmegaConf.load(args.config)
     raw.train.vae_scale = stats["vae_scale"]
-    OmegaConf.save(raw, out / "config.yaml")
+    (out / "config.yaml").write_text(
+        f"# Written by scripts.export_checkpoint from {args.config} (train.vae_scale measured by scripts.encode_latents).\n"
+        "# inference: the default cache plan, chosen from scripts.quality_kv / bench_kv (README).\n"
+        + OmegaConf.to_yaml(raw))
     world = load_config(out / "config.yaml")
 
     state = torch.load(Path(args.world) / "ema_core.pt", weights_only=True)
@@ -73,6 +76,8 @@ def main(argv=None):
     n_params = sum(v.numel() for v in state.values())
 
     def minutes(rec):
+        if rec and "seconds_all_runs" in rec:
+            return f"{rec['seconds_all_runs'] / 60:.1f} min in {len(rec['runs'])} runs"
         return f"{rec['seconds_this_run'] / 60:.1f} min" if rec and "seconds_this_run" in rec else "not recorded"
 
     lines = [
@@ -85,8 +90,10 @@ def main(argv=None):
         "python -m scripts.generate_data        # simulator episodes (exploring policy)",
         "python -m scripts.train_vae            # diffusers AutoencoderTiny, save_pretrained",
         "python -m scripts.encode_latents       # latents + measured vae_scale",
-        f"python -m scripts.train_world --batch {train['batch']} --steps {train['steps']}   "
-        "# rectified flow + diffusion forcing",
+        *[f"python -m scripts.train_world --batch {r['batch']} --steps {r['to_step']}   "
+          + ("# rectified flow + diffusion forcing" if i == 0 else
+             f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['to_step']} steps")
+          for i, r in enumerate(train.get("runs") or [{"batch": train["batch"], "to_step": train["steps"]}])],
         "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
         "python -m scripts.export_checkpoint --eval eval/maze-world/eval.json",
         "```", "",
@@ -112,6 +119,11 @@ def main(argv=None):
         lines += [f"| autoregressive PSNR at frame 16 | {ev['ar_psnr_at_16']:.2f} dB (target >= 18 dB) |",
                   f"| action sensitivity gap, frames {ev['gap_range'][0]}-{ev['gap_range'][1]} | "
                   f"{ev['action_gap_db']:.2f} dB (target >= 1.5 dB) |",
+                  *([f"| diagnostic: repeat the last real frame (no model), teacher-forced | "
+                     f"{ev['copy_previous_psnr']:.2f} dB |",
+                     f"| diagnostic: action response, PSNR between predictions under true and foreign actions "
+                     f"(same history and noise; higher = controls matter less) | {ev['action_response_psnr']:.2f} dB |"]
+                    if "action_response_psnr" in ev else []),
                   f"| held-out level seeds | {ev['seeds'][0]}..{ev['seeds'][-1]} (training used 0..{manifest.get('episodes', 256) - 1}) |",
                   "", f"Evaluation command: `{ev['command']}`; per-frame curve: `eval_curve.png`."]
         curve = Path(args.eval).with_name("psnr_curve.png")

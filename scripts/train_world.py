@@ -53,6 +53,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.pt"
     step = load_training_state(state_path, gen, model=model, ema=ema, opt=opt, sched=sched)
+    first_step = step
     device_type = torch.device(args.device).type
     t0, losses = time.time(), []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
@@ -78,9 +79,18 @@ def main(argv=None):
             save_training_state(state_path, step, gen, model=model, ema=ema, opt=opt, sched=sched)
     bar.close()
     torch.save(ema.core.state_dict(), out / "ema_core.pt")
-    (out / "train_metrics.json").write_text(json.dumps({
+    # Every invocation is recorded (a resumed run with a larger --steps goes on from the saved
+    # step on the cosine schedule of the new length), so MODEL.md can list each command and its time.
+    metrics_path = out / "train_metrics.json"
+    before = json.loads(metrics_path.read_text()) if metrics_path.is_file() and first_step else {}
+    runs = before.get("runs", [])
+    if not runs and before.get("steps") == first_step and "seconds_this_run" in before:  # a record from before "runs"
+        runs = [{"from_step": 0, "to_step": first_step, "batch": before["batch"], "seconds": before["seconds_this_run"]}]
+    runs.append({"from_step": first_step, "to_step": args.steps, "batch": args.batch, "seconds": time.time() - t0})
+    metrics_path.write_text(json.dumps({
         "steps": args.steps, "batch": args.batch, "frames": frames, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-        "seconds_this_run": time.time() - t0, "vae_scale": stats["vae_scale"]}, indent=2))
+        "seconds_this_run": time.time() - t0, "seconds_all_runs": sum(r["seconds"] for r in runs), "runs": runs,
+        "vae_scale": stats["vae_scale"]}, indent=2))
     print(f"trained {args.steps} steps; EMA weights -> {out / 'ema_core.pt'}")
 
 

@@ -24,5 +24,21 @@ def test_eval_command_on_two_short_episodes(tmp_path):
     report = json.loads((tmp_path / "eval.json").read_text())
     assert len(report["ar_psnr"]) == 5 and len(report["ar_ssim"]) == 5 and report["seeds"][0] >= 1_000_000
     assert all(np.isfinite(report[k]) for k in ("teacher_forced_psnr", "teacher_forced_ssim", "action_gap_db",
-                                                  "teacher_forced_psnr_euler3"))
+                                                  "teacher_forced_psnr_euler3", "copy_previous_psnr",
+                                                  "action_response_psnr"))
     assert (tmp_path / "psnr_curve.png").stat().st_size > 1000
+
+
+def test_action_response_isolates_the_actions():
+    """Same actions and noise give the same frame; the prediction is not committed to the cache."""
+    from inference.causvid_pipeline import CausvidPipeline
+    from owl_wms.data import HELD_OUT_SEED
+    from owl_wms.evaluation import Episode, action_response, copy_previous
+
+    pipe = CausvidPipeline.from_checkpoint(clip=None, verbose=False)
+    a, b = Episode(pipe, HELD_OUT_SEED, 3), Episode(pipe, HELD_OUT_SEED + 1, 3)
+    assert all(p > 90 for p in action_response(pipe, a, a, 3))
+    assert pipe.frame_index == 3  # only the three observed real frames entered the history
+    assert all(np.isfinite(p) for p in action_response(pipe, a, b, 3))
+    real = [a.future(k)[0] for k in range(3)]
+    assert copy_previous(a, 3)[1] == frame_metrics(real[0], real[1])
