@@ -233,8 +233,9 @@ class QuantizedStaticCache(CacheUpdates):
 
     def __init__(self, config: ModelConfig, plans: list[LayerPlan], layout: str = "roll", batch_size: int = 1,
                  device="cpu", dtype=torch.bfloat16, tail_only: bool = True, scratch: bool = True,
-                 guard: int = 0):
+                 guard: int = 0, fused_decode: bool = False):
         self.config, self.plans = config, plans
+        self.fused_decode = fused_decode  # compiled decode kernels (the pipeline's OWL_COMPILE)
         self.tpf = config.tokens_per_frame
         self.max_frames = max(p.capacity for p in plans)
         self.layout = make_layout(layout, scratch)
@@ -253,7 +254,7 @@ class QuantizedStaticCache(CacheUpdates):
         for p in self.plans:
             if p.owner != p.layer:
                 continue
-            kq, vq = Quantizer(make_codec(p.k[0]), p.k[1]), Quantizer(make_codec(p.v[0]), p.v[1])
+            kq, vq = (Quantizer(make_codec(codec), policy, self.fused_decode) for codec, policy in (p.k, p.v))
             shapes, dtypes = {}, {}
             for name, q in (("k", kq), ("v", vq)):
                 shapes[name] = (batch_size, c.n_heads, p.capacity, self.tpf, q.codec.stored_dim(c.head_dim))
@@ -589,4 +590,5 @@ def build_cache(config: ModelConfig, settings, window_frames: int, batch_size: i
         return StaticCache(config, window_frames, batch_size, settings.device, settings.dtype)
     plans = plans or plan_layers(config, kv, window_frames)
     return QuantizedStaticCache(config, plans, kv.ring_mode, batch_size, settings.device, settings.dtype,
-                                tail_only=kv.tail_only, scratch=kv.ring_scratch, guard=kv.guard)
+                                tail_only=kv.tail_only, scratch=kv.ring_scratch, guard=kv.guard,
+                                fused_decode=settings.compile)

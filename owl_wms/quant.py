@@ -12,6 +12,8 @@ the same operation. A codec stores ``x / scale`` (bf16: no scale at all).
 """
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +127,92 @@ class Int4Codec(Codec):
         return _lut_decode(self.lut, q, scale, dtype, out)
 
 
+# -- fused kernels (OWL_COMPILE=1) --------------------------------------------------------------
+# Eager encoding is ~15 small ops per call and eager decoding several passes over a window
+# (cast, table lookup, multiply); torch.compile turns each body into one vectorised loop.
+# Codecs are shared instances and policies enter as plain constants, so every layer reuses
+# the same compiled graphs; each codec family has its own kernel functions (and so its own
+# compile cache).
+def _quantize(x, scale, codec: Codec, count: bool):
+    """Stored values of frames ``x`` under ``scale``, and (when ``count``) how many inputs
+    saturated or were not finite, as tensors."""
+    xf = x.float()
+    y = xf / scale.float()
+    q = codec.encode(torch.nan_to_num(y))
+    if not count:
+        return q, None, None
+    return q, (y.abs() > codec.qmax * 1.01).sum(), (~torch.isfinite(xf)).sum()  # beyond bf16 scale rounding
+
+
+def _scale_and_quantize(x, codec: Codec, dims: tuple, floor: float, scale_dtype, count: bool):
+    """Amax scales over ``dims`` and the stored values in one go (policies without memory)."""
+    scale = (x.float().abs().amax(dim=dims, keepdim=True) / codec.qmax).clamp_min(floor).to(scale_dtype)
+    return (scale, *_quantize(x, scale, codec, count))
+
+
+def _scaled_cast(q, scale, out):
+    out.copy_(q.to(out.dtype) * scale.to(out.dtype))
+
+
+def _int4_unpack(q, scale, out):
+    x = q.to(torch.float32)  # float arithmetic vectorises on CPU; byte bit operations do not
+    high = torch.floor(x * 0.0625)
+    pairs = torch.stack((x - 16 * high, high), dim=-1).flatten(-2) - 8  # (low, high) nibble, signed
+    out.copy_(pairs.to(out.dtype) * scale.to(out.dtype))
+
+
+def _encode_int8(*args):
+    return _scale_and_quantize(*args)
+
+
+def _encode_fp8(*args):
+    return _scale_and_quantize(*args)
+
+
+def _encode_int4(*args):
+    return _scale_and_quantize(*args)
+
+
+def _decode_int8(q, scale, out):
+    _scaled_cast(q, scale, out)
+
+
+def _decode_fp8(q, scale, out):
+    _scaled_cast(q, scale, out)
+
+
+class Fused:
+    """A kernel compiled on first use; if the backend cannot compile here, every fused kernel
+    falls back to the eager code (always correct) once, with the reason."""
+    unavailable: str | None = None  # why compiling failed in this process (shared by all kernels)
+
+    def __init__(self, body):
+        self.body, self.kernel = body, None
+
+    def __call__(self, *args) -> tuple[bool, object]:
+        """(True, result), or (False, None) with nothing done when kernels are unavailable."""
+        if Fused.unavailable is not None:
+            return False, None
+        try:
+            if self.kernel is None:
+                # dynamic sizes: one graph serves every layer group, window and frame count
+                self.kernel = torch.compile(self.body, dynamic=True)
+            return True, self.kernel(*args)
+        except Exception as e:  # noqa: BLE001 - any backend failure: the eager path is always correct
+            first = str(e).splitlines()[0] if str(e) else ""
+            Fused.unavailable = f"{type(e).__name__}: {first}"[:200]
+            warnings.warn(f"[owl] compile: KV encode/decode kernels stay eager ({Fused.unavailable})", stacklevel=2)
+            return False, None
+
+
+_ENCODE_FP8 = Fused(_encode_fp8)
+# codec -> (encode, decode); None: eager. Inductor's e5m2 cast on CPU is slower than eager's
+# (scripts.bench_kv), so e5m2 decodes eagerly.
+FUSED = {"int8": (Fused(_encode_int8), Fused(_decode_int8)), "fp8_e4m3": (_ENCODE_FP8, Fused(_decode_fp8)),
+         "fp8_e5m2": (_ENCODE_FP8, None), "int4": (Fused(_encode_int4), Fused(_int4_unpack))}
+
+
+@functools.lru_cache(maxsize=None)  # codecs hold no state: one shared instance per name
 def make_codec(name: str) -> Codec:
     if name == "bf16":
         return PlainCodec()
@@ -197,8 +285,13 @@ class Quantizer:
     saturated and non-finite inputs accumulate as tensors: reading them is the only sync.
     """
 
-    def __init__(self, codec: Codec, policy: ScalePolicy):
+    def __init__(self, codec: Codec, policy: ScalePolicy, fused: bool = False):
         self.codec, self.policy = codec, policy
+        # fused: compiled encode/decode kernels (OWL_COMPILE=1); bf16 has nothing to convert
+        self.fused = FUSED[codec.name] if fused and codec.qmax is not None else None
+        # policies whose scales come from the frame alone encode in one kernel
+        self.dims = None if policy.temporal or policy.percentile not in (None, 100) else \
+            {"token": (-1,), "channel": (-2,), "head": (-2, -1)}[policy.granularity]
         self.prev: torch.Tensor | None = None
         self.saturated = self.nonfinite = self.count = 0
 
@@ -237,16 +330,26 @@ class Quantizer:
         """x [b, h, n, tpf, dh] -> (stored [b, h, n, tpf, dh/pack], scales or None)."""
         if not self.quantized:
             return self.codec.encode(x), None
-        xf = x.float()
-        scale = self.scales(xf, commit).to(scale_dtype)
-        y = xf / scale.float()
+        done = False
+        if self.fused is not None and self.dims is not None:
+            done, res = self.fused[0](x, self.codec, self.dims, self.policy.floor, scale_dtype, commit)
+        if done:
+            scale, q, saturated, nonfinite = res
+        else:
+            scale = self.scales(x.float(), commit).to(scale_dtype)
+            q, saturated, nonfinite = _quantize(x, scale, self.codec, commit)
         if commit:  # counters describe what entered the cache
-            self.saturated = self.saturated + (y.abs() > self.codec.qmax * 1.01).sum()  # beyond bf16 scale rounding
-            self.nonfinite = self.nonfinite + (~torch.isfinite(xf)).sum()
-            self.count += xf.numel()
-        return self.codec.encode(torch.nan_to_num(y)), scale
+            self.saturated = self.saturated + saturated
+            self.nonfinite = self.nonfinite + nonfinite
+            self.count += x.numel()
+        return q, scale
 
     def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, out=None) -> torch.Tensor:
+        if self.fused is not None and self.fused[1] is not None:
+            shape = (*q.shape[:-1], q.shape[-1] * self.codec.pack)
+            target = out if out is not None else q.new_empty(shape, dtype=dtype)
+            if self.fused[1](q, scale, target)[0]:
+                return target
         return self.codec.decode(q, scale, dtype, out)
 
     def stats(self) -> dict:

@@ -106,7 +106,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("OWL_DEVICE", "device", _device, "auto", "where the model runs (auto: cuda if available)"),
     Flag("OWL_DTYPE", "dtype", _choice(*_DTYPES), "bf16", "model and cache dtype"),
     Flag("OWL_SEED", "seed", _int(0), 0, "seed of the noise generator"),
-    Flag("OWL_COMPILE", "compile", _bool, False, "torch.compile the model"),
+    Flag("OWL_COMPILE", "compile", _bool, False, "torch.compile the model and the KV codecs' kernels"),
     Flag("OWL_ATTN_BACKEND", "attn_backend", _choice("auto", "sdpa", "flex"), "auto",
          "attention backend (auto: flex on GPU, sdpa on CPU)"),
     Flag("OWL_ATTN_SDPA_DECODE", "attn_sdpa_decode", _bool, False, "use SDPA for per-frame decode"),

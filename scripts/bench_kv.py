@@ -5,7 +5,8 @@
 1. Cache cost per frame at production shapes (16 layers with 4 global, 24 heads, head dim 64,
    60-frame window, 64 tokens/frame, local window 16): the cache work of one generated frame,
    i.e. the read-only step 1 and the writing step 2 over every layer (encode, write, read,
-   dequantize), on synthetic K/V, for every layout x codec. Reported as ratios to bf16 roll.
+   dequantize), on synthetic K/V, for every layout x codec, with eager decoding and with the
+   compiled decode kernels that OWL_COMPILE=1 uses. Reported as ratios to bf16 roll.
 2. Memory at the same shapes from ``cache.nbytes()`` (data + scales), as ratios to bf16 roll.
 3. The v0-v4 matrix of the original KV-cache notes on the shipped world (real pipeline,
    denoise + decode): no cache, bf16 cache, int8 cache, cross-layer sharing, int8 + sharing.
@@ -28,6 +29,7 @@ from owl_wms.settings import Settings
 from .bench_pipeline import PRODUCTION, machine
 
 WINDOW = 60
+LAYOUTS = ("roll", "pointer", "inplace")
 CODECS = {  # name -> flags (K+V unless said)
     "bf16": {},
     "int8": {"OWL_KV_STORAGE": "int8"},
@@ -49,40 +51,56 @@ def kv_settings(env: dict) -> Settings:
     return Settings.resolve({}, env)
 
 
-def make_cache(cfg: ModelConfig, layout: str, env: dict, device, dtype):
-    settings = kv_settings({**env, "OWL_RING_MODE": layout}).replace(device=device, dtype=dtype)
+def make_cache(cfg: ModelConfig, layout: str, env: dict, device, dtype, compiled: bool = False):
+    settings = kv_settings({**env, "OWL_RING_MODE": layout}).replace(device=device, dtype=dtype, compile=compiled)
     return build_cache(cfg, settings, WINDOW)
 
 
-def cache_cost(cfg, layout, env, frames, device, dtype, sync):
-    """Median ms of the cache work of one frame (both denoising steps, all layers)."""
-    cache = make_cache(cfg, layout, env, device, dtype)
-    g = torch.Generator(device=device).manual_seed(0)
-    shape = (1, cfg.n_heads, cfg.tokens_per_frame, cfg.head_dim)
-    hist = torch.randn((1, cfg.n_heads, WINDOW * cfg.tokens_per_frame, cfg.head_dim), generator=g,
-                       device=device, dtype=dtype)
-    cache.enable_cache_updates()
-    for layer in range(cfg.n_layers):
-        cache.attend_window(layer, hist, hist)  # prefill: a full window
-    new = [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4)]
-    times = []
-    for f in range(frames + 2):
-        k1, k2 = new[f % 4], new[(f + 1) % 4]
-        sync()
+class CacheFrames:
+    """A cache holding a full window of synthetic K/V; ``frame()`` times the cache work of one
+    generated frame: the read-only step 1 and the writing step 2 over every layer."""
+
+    def __init__(self, cfg, layout, env, device, dtype, sync, compiled=False):
+        self.cfg, self.sync = cfg, sync
+        self.cache = make_cache(cfg, layout, env, device, dtype, compiled)
+        g = torch.Generator(device=device).manual_seed(0)
+        shape = (1, cfg.n_heads, cfg.tokens_per_frame, cfg.head_dim)
+        hist = torch.randn((1, cfg.n_heads, WINDOW * cfg.tokens_per_frame, cfg.head_dim), generator=g,
+                           device=device, dtype=dtype)
+        self.cache.enable_cache_updates()
+        for layer in range(cfg.n_layers):
+            self.cache.attend_window(layer, hist, hist)  # prefill: a full window
+        self.new = [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4)]
+        self.count = 0
+
+    def frame(self) -> float:
+        f, cache, layers = self.count, self.cache, range(self.cfg.n_layers)
+        self.count += 1
+        k1, k2 = self.new[f % 4], self.new[(f + 1) % 4]
+        self.sync()
         t0 = time.perf_counter()
         cache.disable_cache_updates()
-        for layer in range(cfg.n_layers):
+        for layer in layers:
             cache.attend_window(layer, k1, k1)
         cache.enable_cache_updates()
-        for layer in range(cfg.n_layers):
+        for layer in layers:
             cache.attend_window(layer, k2, k2)
-        sync()
-        if f >= 2:  # two warm-up frames
-            times.append(time.perf_counter() - t0)
-    nbytes = cache.nbytes()
-    del cache
-    gc.collect()
-    return statistics.median(times) * 1000, nbytes
+        self.sync()
+        return time.perf_counter() - t0
+
+
+def cache_cost(mode: CacheFrames, base: CacheFrames, frames: int) -> tuple[float, float]:
+    """(median ms, median ratio to ``base``): frames alternate between the mode and the bf16
+    roll baseline, so drift in the machine's speed (this VM's memory bandwidth varies by tens
+    of percent over minutes) touches both sides of every ratio alike."""
+    for _ in range(2):  # warm-up (and the first compile)
+        mode.frame(), base.frame()
+    times, ratios = [], []
+    for _ in range(frames):
+        b, m = base.frame(), mode.frame()
+        times.append(m)
+        ratios.append(m / b)
+    return statistics.median(times) * 1000, statistics.median(ratios)
 
 
 def world_matrix(checkpoint, frames, device):
@@ -127,24 +145,35 @@ def main(argv=None):
           f"{cfg.n_heads} heads x {cfg.head_dim}, window {WINDOW} frames x {cfg.tokens_per_frame} tokens, "
           f"local window {cfg.local_window}")
 
+    base = CacheFrames(cfg, "roll", CODECS["bf16"], args.device, dtype, sync)
     results = []
     for codec, env in CODECS.items():
-        for layout in ("roll", "pointer", "inplace"):
-            ms, nbytes = cache_cost(cfg, layout, env, args.frames, args.device, dtype, sync)
-            results.append({"codec": codec, "layout": layout, "ms": ms, "bytes": nbytes})
-            print(f"  measured {codec:<11} {layout:<8} {ms:8.2f} ms/frame  {nbytes / 2**20:8.1f} MiB", flush=True)
-    base = next(r for r in results if r["codec"] == "bf16" and r["layout"] == "roll")
-    print(f"\nPer-frame cache cost (both steps, all layers), ratio to bf16 roll = {base['ms']:.2f} ms; "
-          "lower is cheaper")
+        for layout in LAYOUTS:
+            for compiled in (False, True) if codec != "bf16" else (False,):  # bf16 has nothing to convert
+                mode = CacheFrames(cfg, layout, env, args.device, dtype, sync, compiled)
+                ms, ratio = cache_cost(mode, base, args.frames)
+                results.append({"codec": codec, "layout": layout, "compiled": compiled, "ms": ms, "ratio": ratio,
+                                "bytes": mode.cache.nbytes()})
+                print(f"  measured {codec:<11} {layout:<8} {'compiled' if compiled else 'eager':<8} {ms:8.2f} ms/frame "
+                      f"({ratio:.3f}x bf16 roll)  {results[-1]['bytes'] / 2**20:8.1f} MiB", flush=True)
+                del mode
+                gc.collect()
+    ref = next(r for r in results if r["codec"] == "bf16" and r["layout"] == "roll")
+    print(f"\nPer-frame cache cost (both steps, all layers) as the median ratio to bf16 roll over frames "
+          f"alternating with it ({ref['ms']:.2f} ms); lower is cheaper. Eager / compiled encode+decode "
+          "(the kernels OWL_COMPILE=1 uses)")
+    print(f"{'codec':<12}" + "".join(f"{lay:>16}" for lay in LAYOUTS))
+    for codec in CODECS:
+        cells = []
+        for lay in LAYOUTS:
+            ratios = [r["ratio"] for r in results if r["codec"] == codec and r["layout"] == lay]
+            cells.append(" / ".join(f"{x:.3f}" for x in ratios))
+        print(f"{codec:<12}" + "".join(f"{c:>16}" for c in cells))
+    print(f"\nMemory (nbytes: data + scales), ratio to bf16 roll = {ref['bytes'] / 2**20:.1f} MiB")
     print(f"{'codec':<12}" + "".join(f"{lay:>12}" for lay in ("roll", "pointer", "inplace")))
     for codec in CODECS:
-        cells = [r for r in results if r["codec"] == codec]
-        print(f"{codec:<12}" + "".join(f"{r['ms'] / base['ms']:>12.3f}" for r in cells))
-    print(f"\nMemory (nbytes: data + scales), ratio to bf16 roll = {base['bytes'] / 2**20:.1f} MiB")
-    print(f"{'codec':<12}" + "".join(f"{lay:>12}" for lay in ("roll", "pointer", "inplace")))
-    for codec in CODECS:
-        cells = [r for r in results if r["codec"] == codec]
-        print(f"{codec:<12}" + "".join(f"{r['bytes'] / base['bytes']:>12.3f}" for r in cells))
+        cells = [r for r in results if r["codec"] == codec and not r["compiled"]]
+        print(f"{codec:<12}" + "".join(f"{r['bytes'] / ref['bytes']:>12.3f}" for r in cells))
 
     out = {"machine": machine(), "torch": torch.__version__, "cache": results}
     if not args.skip_matrix:

@@ -31,6 +31,44 @@ def frames_like(n=3, tpf=16, dh=64, seed=0, spread=True):
 
 
 # -- codecs and scales ---------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", [c for c in CODECS if c != "bf16"])
+def test_fused_kernels_match_the_eager_codecs(codec):
+    """OWL_COMPILE's fused encode/decode kernels store and return the same bits as eager code,
+    non-finite and saturated inputs counted alike (or they fall back to eager with a reason)."""
+    x = frames_like().to(torch.bfloat16)
+    x[0, 0, 0, 0, 0] = float("inf")
+    for policy in (ScalePolicy("token"), ScalePolicy("channel"), ScalePolicy("head")):
+        eager, fused = Quantizer(make_codec(codec), policy), Quantizer(make_codec(codec), policy, fused=True)
+        (qe, se), (qf, sf) = eager.encode(x), fused.encode(x)
+        as_bits = (lambda t: t.view(torch.uint8)) if qe.element_size() == 1 else (lambda t: t)  # noqa: E731
+        assert torch.equal(as_bits(qe), as_bits(qf))
+        assert torch.equal(se.float().nan_to_num(-1), sf.float().nan_to_num(-1))
+        assert eager.stats() == fused.stats() and fused.stats()["nonfinite"] == 1
+        work = torch.full((*x.shape[:2], x.shape[2] + 2, *x.shape[3:]), 7.0, dtype=torch.bfloat16)
+        into = fused.decode(qe, se, torch.bfloat16, out=work[:, :, 1:-1])  # a strided slice, like the ring reads
+        ref = eager.decode(qe, se, torch.bfloat16)
+        assert torch.equal(into.float().nan_to_num(-1), ref.float().nan_to_num(-1))
+        assert (work[:, :, 0] == 7).all() and (work[:, :, -1] == 7).all()
+
+
+def test_fused_kernels_fall_back_to_eager_with_the_reason(monkeypatch):
+    from owl_wms import quant
+
+    def no_backend(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(quant, "FUSED", {name: tuple(k and quant.Fused(k.body) for k in kernels)
+                                         for name, kernels in quant.FUSED.items()})
+    monkeypatch.setattr(quant.Fused, "unavailable", None)
+    monkeypatch.setattr(torch, "compile", no_backend)
+    fused, eager = Quantizer(make_codec("int8"), ScalePolicy("token"), fused=True), Quantizer(make_codec("int8"), ScalePolicy("token"))
+    x = frames_like()
+    with pytest.warns(UserWarning, match="stay eager .*no C\\+\\+ compiler here"):
+        q, s = fused.encode(x)
+    assert torch.equal(q, eager.encode(x)[0])
+    assert torch.equal(fused.decode(q, s, torch.float32), eager.decode(q, s, torch.float32))
+
+
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
 def test_roundtrip_error_bounds(codec, policy):
