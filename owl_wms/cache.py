@@ -233,9 +233,9 @@ class QuantizedStaticCache(CacheUpdates):
 
     def __init__(self, config: ModelConfig, plans: list[LayerPlan], layout: str = "roll", batch_size: int = 1,
                  device="cpu", dtype=torch.bfloat16, tail_only: bool = True, scratch: bool = True,
-                 guard: int = 0, fused_decode: bool = False):
+                 guard: int = 0, fused_kernels: bool = False):
         self.config, self.plans = config, plans
-        self.fused_decode = fused_decode  # compiled decode kernels (the pipeline's OWL_COMPILE)
+        self.fused_kernels = fused_kernels  # compiled encode/decode kernels (the pipeline's OWL_COMPILE)
         self.tpf = config.tokens_per_frame
         self.max_frames = max(p.capacity for p in plans)
         self.layout = make_layout(layout, scratch)
@@ -254,7 +254,7 @@ class QuantizedStaticCache(CacheUpdates):
         for p in self.plans:
             if p.owner != p.layer:
                 continue
-            kq, vq = (Quantizer(make_codec(codec), policy, self.fused_decode) for codec, policy in (p.k, p.v))
+            kq, vq = (Quantizer(make_codec(codec), policy, self.fused_kernels) for codec, policy in (p.k, p.v))
             shapes, dtypes = {}, {}
             for name, q in (("k", kq), ("v", vq)):
                 shapes[name] = (batch_size, c.n_heads, p.capacity, self.tpf, q.codec.stored_dim(c.head_dim))
@@ -591,4 +591,4 @@ def build_cache(config: ModelConfig, settings, window_frames: int, batch_size: i
     plans = plans or plan_layers(config, kv, window_frames)
     return QuantizedStaticCache(config, plans, kv.ring_mode, batch_size, settings.device, settings.dtype,
                                 tail_only=kv.tail_only, scratch=kv.ring_scratch, guard=kv.guard,
-                                fused_decode=settings.compile)
+                                fused_kernels=settings.compile)

@@ -250,6 +250,11 @@ class ScalePolicy:
         """Scales depend on earlier frames (sequential over the frames of a write)."""
         return self.granularity == "head" or self.smooth > 0
 
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dims of a frame [b, h, n, tpf, dh] that one scale covers."""
+        return {"token": (-1,), "channel": (-2,), "head": (-2, -1)}[self.granularity]
+
     def scale_shape(self, tpf: int, head_dim: int) -> tuple[int, int]:
         """Per-frame scale shape (the last two dims)."""
         return {"token": (tpf, 1), "channel": (1, head_dim), "head": (1, 1)}[self.granularity]
@@ -266,7 +271,7 @@ class ScalePolicy:
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """|x| statistic per scale group of frames x [b, h, n, tpf, dh] (float32)."""
-        dims = {"token": (-1,), "channel": (-2,), "head": (-2, -1)}[self.granularity]
+        dims = self.dims
         a = x.abs()
         if self.percentile is None or self.percentile == 100:
             return a.amax(dim=dims, keepdim=True)
@@ -289,9 +294,8 @@ class Quantizer:
         self.codec, self.policy = codec, policy
         # fused: compiled encode/decode kernels (OWL_COMPILE=1); bf16 has nothing to convert
         self.fused = FUSED[codec.name] if fused and codec.qmax is not None else None
-        # policies whose scales come from the frame alone encode in one kernel
-        self.dims = None if policy.temporal or policy.percentile not in (None, 100) else \
-            {"token": (-1,), "channel": (-2,), "head": (-2, -1)}[policy.granularity]
+        # policies whose scales come from the frame alone (amax, no memory) encode in one kernel
+        self.one_pass = not policy.temporal and policy.percentile in (None, 100)
         self.prev: torch.Tensor | None = None
         self.saturated = self.nonfinite = self.count = 0
 
@@ -331,8 +335,8 @@ class Quantizer:
         if not self.quantized:
             return self.codec.encode(x), None
         done = False
-        if self.fused is not None and self.dims is not None:
-            done, res = self.fused[0](x, self.codec, self.dims, self.policy.floor, scale_dtype, commit)
+        if self.fused is not None and self.one_pass:
+            done, res = self.fused[0](x, self.codec, self.policy.dims, self.policy.floor, scale_dtype, commit)
         if done:
             scale, q, saturated, nonfinite = res
         else:
