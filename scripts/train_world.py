@@ -37,6 +37,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--fp32", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the transformer blocks (a one-off compile, then faster steps)")
     args = p.parse_args(argv)
 
     world = load_config(args.config)
@@ -46,6 +48,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = GameRFT(world.model).to(args.device)
     ema = copy.deepcopy(model).requires_grad_(False)
+    if args.compile:  # after the EMA copy: the EMA stays a plain module; weight names do not change
+        model.core.transformer.compile(dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 50)))
     gen = torch.Generator().manual_seed(args.seed)

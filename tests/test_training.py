@@ -56,8 +56,10 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys):
     common = ["--config", str(tmp_path / "tiny.yaml"), "--latents", str(chain / "latents"), "--out",
               str(tmp_path / "world"), "--batch", "2", "--save-every", "2"]
     train_world.main(common + ["--steps", "2"])
-    train_world.main(common + ["--steps", "3"])
+    train_world.main(common + ["--steps", "3", "--compile"])  # a compiled run resumes an eager one
     assert "resumed at step 2" in capsys.readouterr().out
+    runs = json.loads((tmp_path / "world" / "train_metrics.json").read_text())["runs"]
+    assert [(r["from_step"], r["to_step"]) for r in runs] == [(0, 2), (2, 3)]
     state = torch.load(tmp_path / "world" / "ema_core.pt", weights_only=True)
     assert "proj_in.weight" in state
 

@@ -1,0 +1,75 @@
+"""Seconds per world-model training step, eager against ``--compile``, measured in one run.
+
+    python -m scripts.bench_train [--config configs/maze_world.yaml] [--batch 4] [--steps 10]
+
+The step is train_world's (bf16 autocast, rectified-flow loss, AdamW) on random latents of the
+config's shape, so it runs on a fresh clone. Eager and compiled steps alternate, so drift in the
+machine's speed touches both sides of each ratio; the first step (with the compile) is reported
+apart from the steady-state medians.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from owl_wms.config import load_config
+from owl_wms.model import GameRFT
+from owl_wms.training.world import flow_loss, sample_times
+
+from .bench_pipeline import machine
+
+
+class Trainer:
+    """train_world's step on random latents of the config's shape."""
+
+    def __init__(self, world, batch: int, compiled: bool):
+        torch.manual_seed(0)
+        self.world, self.batch = world, batch
+        self.model = GameRFT(world.model)
+        if compiled:
+            self.model.core.transformer.compile(dynamic=False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self) -> float:
+        m, n, gen, b = self.world.model, self.world.pipeline.window_frames, self.gen, self.batch
+        t0 = time.perf_counter()
+        x = torch.randn(b, n, m.channels, m.sample_size, m.sample_size, generator=gen)
+        mouse, buttons = torch.randn(b, n, 2, generator=gen), (torch.rand(b, n, m.n_buttons, generator=gen) < 0.2)
+        t = sample_times(b, n, gen, 0.5, self.world.pipeline.history_alpha, self.world.pipeline.schedule)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = flow_loss(self.model.core, x, mouse, buttons.float(), t, gen)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return time.perf_counter() - t0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/maze_world.yaml")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10, help="steps per variant; the first 3 are warm-up")
+    args = p.parse_args(argv)
+    if args.steps < 4:
+        raise SystemExit(f"error: --steps {args.steps} leaves no measured step after 3 warm-up steps; use 4 or more")
+    world = load_config(args.config)
+    print(f"torch {torch.__version__}; machine: {machine()}; {args.config}, batch {args.batch} x "
+          f"{world.pipeline.window_frames} frames")
+    eager, compiled = Trainer(world, args.batch, False), Trainer(world, args.batch, True)
+    first = (eager.step(), compiled.step())  # the compiled one includes compiling
+    for _ in range(2):
+        eager.step(), compiled.step()
+    pairs = [(eager.step(), compiled.step()) for _ in range(args.steps - 3)]  # alternating: drift hits both
+    print(f"first step: eager {first[0]:.1f} s, compiled {first[1]:.1f} s (with the compile)")
+    print(f"median s/step: eager {statistics.median(e for e, _ in pairs):.3f}, "
+          f"compiled {statistics.median(c for _, c in pairs):.3f}")
+    print(f"compiled / eager step time (median of alternating pairs): "
+          f"{statistics.median(c / e for e, c in pairs):.3f}")
+
+
+if __name__ == "__main__":
+    main()
