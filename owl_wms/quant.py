@@ -75,16 +75,14 @@ class Int8Codec(Codec):
 
 
 def _lut_decode(lut: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out=None):
-    """Decode bytes through a 256-entry table ([256] or [256, k] values per byte), then scale."""
-    per_byte = lut.shape[1] if lut.ndim == 2 else 1
-    shape = (*q.shape[:-1], q.shape[-1] * per_byte)
+    """Decode bytes through a 256-entry table, then scale."""
     idx = q.reshape(-1).view(torch.uint8).int()
     lut = lut.to(q.device, dtype)
     if out is None:
-        return torch.index_select(lut, 0, idx).view(shape) * scale.to(dtype)
+        return torch.index_select(lut, 0, idx).view(q.shape) * scale.to(dtype)
     if not out.is_contiguous():  # a slice of a working buffer: look up, then scale into it
-        return torch.mul(torch.index_select(lut, 0, idx).view(shape), scale.to(dtype), out=out)
-    torch.index_select(lut, 0, idx, out=out.view(-1, per_byte) if per_byte > 1 else out.view(-1))
+        return torch.mul(torch.index_select(lut, 0, idx).view(q.shape), scale.to(dtype), out=out)
+    torch.index_select(lut, 0, idx, out=out.view(-1))
     return out.mul_(scale.to(dtype))
 
 
@@ -110,7 +108,9 @@ class Fp8Codec(Codec):
 
 
 class Int4Codec(Codec):
-    """Symmetric 4-bit, two values per byte along the head dim (low nibble first), qmax 7."""
+    """Symmetric 4-bit, qmax 7, two values per byte: byte j holds value j of the head dim in its
+    low nibble and value j + dh/2 in its high nibble, so each nibble unpacks into a contiguous
+    half (the interleaved layout decoded 1.6x slower, eager and compiled)."""
     name, qmax, pack = "int4", 7.0, 2
 
     def storage_dtype(self, compute_dtype):
@@ -118,13 +118,18 @@ class Int4Codec(Codec):
 
     def encode(self, y):
         n = (y.round().clamp_(-self.qmax, self.qmax) + 8).to(torch.uint8)
-        return n[..., 0::2] | (n[..., 1::2] << 4)
-
-    # byte -> (low nibble, high nibble) as signed values: one lookup unpacks both
-    lut = torch.stack(((torch.arange(256) & 15) - 8, (torch.arange(256) >> 4) - 8), dim=-1).float()
+        half = n.shape[-1] // 2
+        return n[..., :half] | (n[..., half:] << 4)
 
     def decode(self, q, scale, dtype, out=None):
-        return _lut_decode(self.lut, q, scale, dtype, out)
+        half = q.shape[-1]
+        if out is None:
+            out = q.new_empty((*q.shape[:-1], 2 * half), dtype=dtype)
+        s = scale.to(dtype)
+        lo, hi = (s, s) if s.shape[-1] == 1 else (s[..., :half], s[..., half:])  # per-channel scales split too
+        torch.mul((q & 15).to(torch.int16).sub_(8).to(dtype), lo, out=out[..., :half])
+        torch.mul((q >> 4).to(torch.int16).sub_(8).to(dtype), hi, out=out[..., half:])
+        return out
 
 
 # -- fused kernels (OWL_COMPILE=1) --------------------------------------------------------------
@@ -157,8 +162,8 @@ def _scaled_cast(q, scale, out):
 def _int4_unpack(q, scale, out):
     x = q.to(torch.float32)  # float arithmetic vectorises on CPU; byte bit operations do not
     high = torch.floor(x * 0.0625)
-    pairs = torch.stack((x - 16 * high, high), dim=-1).flatten(-2) - 8  # (low, high) nibble, signed
-    out.copy_(pairs.to(out.dtype) * scale.to(out.dtype))
+    halves = torch.cat((x - 16 * high, high), dim=-1) - 8  # low nibbles, then high nibbles, signed
+    out.copy_(halves.to(out.dtype) * scale.to(out.dtype))
 
 
 def _encode_int8(*args):
