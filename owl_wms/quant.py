@@ -110,7 +110,8 @@ class Fp8Codec(Codec):
 class Int4Codec(Codec):
     """Symmetric 4-bit, qmax 7, two values per byte: byte j holds value j of the head dim in its
     low nibble and value j + dh/2 in its high nibble, so each nibble unpacks into a contiguous
-    half (the interleaved layout decoded 1.6x slower, eager and compiled)."""
+    half: two bit-op passes instead of the table lookup an interleaved layout needs (about
+    half the eager decode time at production shapes)."""
     name, qmax, pack = "int4", 7.0, 2
 
     def storage_dtype(self, compute_dtype):
