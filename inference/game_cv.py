@@ -32,7 +32,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
                    help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
-    p.add_argument("--ckpt", default=None, help="weights file (default: model.safetensors beside the config)")
+    p.add_argument("--ckpt", default=None, help="weights file or shard index (default: model.safetensors, or its shards, beside the config)")
     p.add_argument("--clip", default="0", help="index of a shipped clip, or a clip .safetensors path")
     p.add_argument("--world-seed", type=int, default=None,
                    help="start from a fresh simulator level: render and encode a history window")

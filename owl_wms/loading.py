@@ -1,6 +1,7 @@
 """Checkpoint loading for original GameRFT state dicts and our own safetensors."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -16,13 +17,37 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not match its config."""
 
 
+def shard_index(path: Path) -> Path | None:
+    """The index of a sharded safetensors checkpoint (diffusers/transformers layout:
+    ``model.safetensors.index.json`` beside ``model-0000i-of-0000n.safetensors``) that ``path``
+    names, either as the index itself or as the single file it replaces."""
+    if path.name.endswith(".safetensors.index.json"):
+        return path
+    index = path.with_name(path.name + ".index.json")
+    return index if path.suffix == ".safetensors" and not path.exists() and index.is_file() else None
+
+
+def _load_shards(index: Path) -> dict[str, torch.Tensor]:
+    weight_map = json.loads(index.read_text())["weight_map"]
+    sd = {}
+    for shard in sorted(set(weight_map.values())):
+        sd.update(load_file(str(index.parent / shard)))
+    if sd.keys() != weight_map.keys():
+        raise ValueError(f"the shards hold {len(sd)} tensors but the index lists {len(weight_map)}")
+    return sd
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {str(path)!r} does not exist; pass the path of a "
-                              ".safetensors or .pt file")
+    index = shard_index(path)
+    if not path.is_file() and index is None:
+        raise CheckpointError(f"checkpoint file {str(path)!r} does not exist (nor a sharded "
+                              f"{path.name}.index.json beside it); pass the path of a .safetensors, its "
+                              ".safetensors.index.json, or a .pt file")
     try:
-        if path.suffix == ".safetensors":
+        if index is not None:
+            sd = _load_shards(index)
+        elif path.suffix == ".safetensors":
             sd = load_file(str(path))
         else:  # never unpickle arbitrary objects
             sd = torch.load(path, map_location="cpu", weights_only=True)

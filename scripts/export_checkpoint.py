@@ -3,7 +3,8 @@
     python -m scripts.export_checkpoint --config configs/maze_world.yaml --vae work/vae/final \\
         --latents work/latents --world work/world --out checkpoints/maze-world [--eval eval/eval.json]
 
-Writes config.yaml (with the measured vae_scale), model.safetensors (EMA weights, bf16),
+Writes config.yaml (with the measured vae_scale), the EMA weights in bf16 (model.safetensors,
+or 16 MB shards with model.safetensors.index.json),
 vae/ (save_pretrained), clips/ (history windows from fresh simulator levels, encoded, with
 --future recorded policy actions each) and MODEL.md with the figures the stages measured.
 """
@@ -15,14 +16,15 @@ import shutil
 from pathlib import Path
 
 import torch
+from huggingface_hub import save_torch_state_dict
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
 
 from owl_wms.config import load_config
 from owl_wms.data import level_clip
 
 from .bench_pipeline import machine
 
+SHARD_BYTES = 16 * 2**20
 CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,000,000..) seeds
 
 
@@ -50,8 +52,10 @@ def main(argv=None):
     world = load_config(out / "config.yaml")
 
     state = torch.load(Path(args.world) / "ema_core.pt", weights_only=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"trained": "true"})
+    # Shards of at most 16 MB (model-0000i-of-0000n.safetensors + model.safetensors.index.json,
+    # the diffusers layout) keep every tracked file small; a small model stays one model.safetensors.
+    save_torch_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, out, max_shard_size=SHARD_BYTES,
+                          metadata={"trained": "true"})
     vae_dir = world.resolve(world.decoder.path)
     shutil.rmtree(vae_dir, ignore_errors=True)
     shutil.copytree(args.vae, vae_dir, ignore=shutil.ignore_patterns("metrics.json"))

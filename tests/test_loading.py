@@ -32,6 +32,27 @@ def test_pt_wrappers_and_prefixes_load(tmp_path, wrap, prefix):
     assert all(torch.equal(model.core.state_dict()[k], v) for k, v in state.items())
 
 
+def test_sharded_safetensors_load_like_one_file(tmp_path):
+    """Shards + index (the layout export_checkpoint writes for big models) load by the index,
+    or by the single file's name they replace; a missing shard is a clear error."""
+    from huggingface_hub import save_torch_state_dict
+
+    cfg = write_config(tmp_path)
+    state = small_state(cfg)
+    save_torch_state_dict(state, tmp_path, max_shard_size=sum(v.nbytes for v in state.values()) // 3)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 3 and not (tmp_path / "model.safetensors").exists()
+    for path in (tmp_path / "model.safetensors", tmp_path / "model.safetensors.index.json"):
+        model = owl_wms.from_pretrained(cfg, path)
+        assert all(torch.equal(model.core.state_dict()[k], v) for k, v in state.items())
+    shards[-1].unlink()
+    with pytest.raises(CheckpointError, match="could not be read"):
+        owl_wms.from_pretrained(cfg, tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError, match="does not exist .*index.json"):
+        owl_wms.from_pretrained(cfg, tmp_path / "model.safetensors")
+
+
 def test_safetensors_and_decoder(tmp_path):
     cfg = write_config(tmp_path)
     save_file(small_state(cfg), str(tmp_path / "model.safetensors"))
