@@ -52,6 +52,12 @@ def autoregressive(pipe, ep: Episode, n: int, actions: Episode | None = None) ->
     return out
 
 
+def observe_real(pipe, ep: Episode, k: int):
+    """Teacher forcing: the real future frame k (encoded) enters the history with its actions."""
+    real, m, b = ep.future(k)
+    pipe.observe(pipe.decoder.encode_uint8(real[None])[None] / pipe.vae_scale, m, b)
+
+
 def teacher_forced(pipe, ep: Episode, n: int) -> list[tuple[float, float]]:
     pipe.load_clip(ep.clip)
     out = []
@@ -59,7 +65,7 @@ def teacher_forced(pipe, ep: Episode, n: int) -> list[tuple[float, float]]:
         real, m, b = ep.future(k)
         frame = pipe.decode(pipe.generate(m, b, commit=False)).numpy()
         out.append(frame_metrics(frame, real))
-        pipe.observe(pipe.decoder.encode_uint8(real[None])[None] / pipe.vae_scale, m, b)
+        observe_real(pipe, ep, k)
     return out
 
 
@@ -74,11 +80,9 @@ def action_response(pipe, ep: Episode, other: Episode, n: int) -> list[float]:
     c, s = pipe.cfg.channels, pipe.cfg.sample_size
     out = []
     for k in range(n):
-        real, m, b = ep.future(k)
         noise = torch.randn((1, 1, c, s, s), generator=pipe.generator)
-        mine = pipe.decode(pipe.generate(m, b, noise=noise, commit=False)).numpy()
-        _, om, ob = other.future(k)
-        theirs = pipe.decode(pipe.generate(om, ob, noise=noise, commit=False)).numpy()
+        mine, theirs = (pipe.decode(pipe.generate(*src.future(k)[1:], noise=noise, commit=False)).numpy()
+                        for src in (ep, other))
         out.append(frame_metrics(mine, theirs)[0])
-        pipe.observe(pipe.decoder.encode_uint8(real[None])[None] / pipe.vae_scale, m, b)
+        observe_real(pipe, ep, k)
     return out

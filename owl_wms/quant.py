@@ -299,7 +299,7 @@ class Quantizer:
     def __init__(self, codec: Codec, policy: ScalePolicy, fused: bool = False):
         self.codec, self.policy = codec, policy
         # fused: compiled encode/decode kernels (OWL_COMPILE=1); bf16 has nothing to convert
-        self.fused = FUSED[codec.name] if fused and codec.qmax is not None else None
+        self.fused_encode, self.fused_decode = FUSED[codec.name] if fused and codec.qmax is not None else (None, None)
         # policies whose scales come from the frame alone (amax, no memory) encode in one kernel
         self.one_pass = not policy.temporal and policy.percentile in (None, 100)
         self.prev: torch.Tensor | None = None
@@ -341,8 +341,8 @@ class Quantizer:
         if not self.quantized:
             return self.codec.encode(x), None
         done = False
-        if self.fused is not None and self.one_pass:
-            done, res = self.fused[0](x, self.codec, self.policy.dims, self.policy.floor, scale_dtype, commit)
+        if self.fused_encode is not None and self.one_pass:
+            done, res = self.fused_encode(x, self.codec, self.policy.dims, self.policy.floor, scale_dtype, commit)
         if done:
             scale, q, saturated, nonfinite = res
         else:
@@ -355,10 +355,10 @@ class Quantizer:
         return q, scale
 
     def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, out=None) -> torch.Tensor:
-        if self.fused is not None and self.fused[1] is not None:
+        if self.fused_decode is not None:
             shape = (*q.shape[:-1], q.shape[-1] * self.codec.pack)
             target = out if out is not None else q.new_empty(shape, dtype=dtype)
-            if self.fused[1](q, scale, target)[0]:
+            if self.fused_decode(q, scale, target)[0]:
                 return target
         return self.codec.decode(q, scale, dtype, out)
 

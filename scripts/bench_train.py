@@ -2,10 +2,11 @@
 
     python -m scripts.bench_train [--config configs/maze_world.yaml] [--batch 4] [--steps 10]
 
-The step is train_world's (bf16 autocast, rectified-flow loss, AdamW) on random latents of the
-config's shape, so it runs on a fresh clone. Eager and compiled steps alternate, so drift in the
-machine's speed touches both sides of each ratio; the first step (with the compile) is reported
-apart from the steady-state medians.
+The step is train_world's own (``owl_wms.training.world.train_step``: bf16 autocast,
+rectified-flow loss, clipped AdamW, schedule, EMA) on random latents of the config's shape,
+so it runs on a fresh clone. Eager and compiled steps alternate, so drift in the machine's
+speed touches both sides of each ratio; the first step (with the compile) is reported apart
+from the steady-state medians.
 """
 from __future__ import annotations
 
@@ -16,22 +17,18 @@ import time
 import torch
 
 from owl_wms.config import load_config
-from owl_wms.model import GameRFT
-from owl_wms.training.world import flow_loss, sample_times
+from owl_wms.training.world import sample_times, train_step, world_trainer
 
 from .bench_pipeline import machine
 
 
 class Trainer:
-    """train_world's step on random latents of the config's shape."""
+    """train_world's model, optimiser and step, on random latents of the config's shape."""
 
     def __init__(self, world, batch: int, compiled: bool):
         torch.manual_seed(0)
         self.world, self.batch = world, batch
-        self.model = GameRFT(world.model)
-        if compiled:
-            self.model.core.transformer.compile(dynamic=False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.model, self.ema, self.opt, self.sched = world_trainer(world.model, 6e-4, 1000, compile=compiled)
         self.gen = torch.Generator().manual_seed(0)
 
     def step(self) -> float:
@@ -40,11 +37,7 @@ class Trainer:
         x = torch.randn(b, n, m.channels, m.sample_size, m.sample_size, generator=gen)
         mouse, buttons = torch.randn(b, n, 2, generator=gen), (torch.rand(b, n, m.n_buttons, generator=gen) < 0.2)
         t = sample_times(b, n, gen, 0.5, self.world.pipeline.history_alpha, self.world.pipeline.schedule)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = flow_loss(self.model.core, x, mouse, buttons.float(), t, gen)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
+        train_step(self.model, self.ema, self.opt, self.sched, x, mouse, buttons.float(), t, gen, 0.995).item()
         return time.perf_counter() - t0
 
 

@@ -8,7 +8,6 @@ Resumable (weights, EMA, optimizer, step and RNG every --save-every steps). Mixe
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -17,9 +16,8 @@ import torch
 from tqdm import tqdm
 
 from owl_wms.config import load_config
-from owl_wms.model import GameRFT
-from owl_wms.training import load_training_state, save_training_state, warmup_cosine
-from owl_wms.training.world import LatentEpisodes, flow_loss, sample_times
+from owl_wms.training import load_training_state, save_training_state
+from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
 
 def main(argv=None):
@@ -46,35 +44,21 @@ def main(argv=None):
     frames = args.frames or world.pipeline.window_frames
     data = LatentEpisodes(args.latents, stats["vae_scale"], frames)
     torch.manual_seed(args.seed)
-    model = GameRFT(world.model).to(args.device)
-    ema = copy.deepcopy(model).requires_grad_(False)
-    if args.compile:  # after the EMA copy: the EMA stays a plain module; weight names do not change
-        model.core.transformer.compile(dynamic=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 50)))
+    model, ema, opt, sched = world_trainer(world.model, args.lr, args.steps, args.device, args.compile)
     gen = torch.Generator().manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.pt"
     step = load_training_state(state_path, gen, model=model, ema=ema, opt=opt, sched=sched)
     first_step = step
-    device_type = torch.device(args.device).type
     t0, losses = time.time(), []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
     while step < args.steps:
         x, m, b = data.batch(args.batch, gen)
         t = sample_times(x.shape[0], x.shape[1], gen, args.pipeline_frac, world.pipeline.history_alpha,
                          world.pipeline.schedule)
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=not args.fp32):
-            loss = flow_loss(model.core, x.to(args.device), m.to(args.device), b.to(args.device), t, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - args.ema)
+        loss = train_step(model, ema, opt, sched, x.to(args.device), m.to(args.device), b.to(args.device), t, gen,
+                          args.ema, bf16=not args.fp32)
         step += 1
         losses.append(loss.item())
         bar.update(1)

@@ -7,11 +7,15 @@ x_t = (1 - t) x + t z, target v = z - x. Two kinds of sample are mixed:
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+from ..model import GameRFT
+from . import warmup_cosine
 
 
 class LatentEpisodes:
@@ -59,3 +63,33 @@ def flow_loss(core, x, mouse, buttons, t, gen: torch.Generator):
     x_t = (1 - tt) * x + tt * z
     v = core(x_t, t.to(x), mouse.to(x), buttons.to(x))
     return F.mse_loss(v.float(), (z - x).float())
+
+
+def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile: bool = False):
+    """(model, EMA copy, AdamW, warm-up + cosine schedule) as scripts.train_world trains them;
+    ``compile``: torch.compile the transformer blocks (after the EMA copy, which stays a plain
+    module; weight names do not change)."""
+    model = GameRFT(model_cfg).to(device)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    if compile:
+        model.core.transformer.compile(dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(total_steps, max(1, total_steps // 50)))
+    return model, ema, opt, sched
+
+
+def train_step(model, ema, opt, sched, x, mouse, buttons, t, gen: torch.Generator, ema_decay: float,
+               bf16: bool = True) -> torch.Tensor:
+    """One optimisation step of scripts.train_world (autocast, clipped AdamW, schedule, EMA);
+    the loss, unsynchronised."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss = flow_loss(model.core, x, mouse, buttons, t, gen)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    with torch.no_grad():
+        for pe, pm in zip(ema.parameters(), model.parameters()):
+            pe.lerp_(pm, 1 - ema_decay)
+    return loss
