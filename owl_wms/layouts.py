@@ -16,6 +16,12 @@ import torch
 LAYOUTS = ("roll", "pointer", "inplace")
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float8 data as raw bytes: CUDA has no roll/index_select kernels for float8, and moving
+    bytes is the same thing."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
+
+
 class FrameStore:
     def __init__(self, capacity: int, shapes: dict[str, tuple], dtypes: dict[str, torch.dtype], device):
         self.capacity = capacity
@@ -69,7 +75,8 @@ class RollLayout(Layout):
         if store.length + m > c:
             shift = store.length + m - c
             for name in store.bufs:  # the original's cost: the whole store moves every frame
-                store.bufs[name] = torch.roll(store.bufs[name], -shift, dims=2)
+                b = store.bufs[name]
+                store.bufs[name] = torch.roll(as_bytes(b), -shift, dims=2).view(b.dtype)
                 store.tags[name] = torch.roll(store.tags[name], -shift)
             store.length -= shift
         for name, item in items.items():
@@ -121,21 +128,21 @@ class RingLayout(Layout):
     def read(self, store, frames):
         c = store.capacity
         start = (store.written - frames) % c
-        key = (c, frames, start)
-        idx = self._index.get(key)
-        if idx is None:  # one small index per (capacity, frames, pointer): a fixed-shape gather
-            idx = self._index[key] = (torch.arange(frames) + start) % c
         out = {}
         for name, b in store.bufs.items():
-            i = idx.to(b.device)
+            key = (c, frames, start, b.device)
+            i = self._index.get(key)
+            if i is None:  # one small index per (capacity, frames, pointer, device): a fixed-shape gather
+                i = self._index[key] = ((torch.arange(frames) + start) % c).to(b.device)
             if self.scratch:
                 shape = (*b.shape[:2], frames, *b.shape[3:])
                 buf = store.scratch.get((name, shape))
                 if buf is None or buf.dtype != b.dtype or buf.device != b.device:
                     buf = store.scratch[(name, shape)] = torch.empty(shape, dtype=b.dtype, device=b.device)
-                out[name] = torch.index_select(b, 2, i, out=buf)
+                torch.index_select(as_bytes(b), 2, i, out=as_bytes(buf))
+                out[name] = buf
             else:
-                out[name] = torch.index_select(b, 2, i)
+                out[name] = torch.index_select(as_bytes(b), 2, i).view(b.dtype)
         return out
 
     def slot_of(self, store, frame):

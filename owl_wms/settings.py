@@ -313,7 +313,9 @@ class Settings:
                                 f"{source('kv_cache')} runs without one; unset one of them")
         backend = v["attn_backend"]
         if backend == "auto":
-            backend = "flex" if device.startswith("cuda") else "sdpa"
+            # FlexAttention is fast only when compiled (Triton); eager it runs an unfused
+            # reference that made a CUDA frame ~10x slower than SDPA (measured on an H100).
+            backend = "flex" if device.startswith("cuda") and v["compile"] else "sdpa"
         return cls(device=device, dtype=_DTYPES[v["dtype"]], seed=v["seed"], compile=v["compile"],
                    attn_backend=backend, attn_backend_decode="sdpa" if v["attn_sdpa_decode"] else backend,
                    kv_cache=v["kv_cache"], profile_kv=v["profile_kv"],
