@@ -352,6 +352,7 @@ class CausvidPipeline:
             if self.profiler and isinstance(self.cache, QuantizedStaticCache):
                 self.profiler.instrument(self.cache, "_encode", "quant")
                 self.profiler.instrument(self.cache, "_decode", "dequant")
+                self.profiler.instrument(self.cache, "_fused_ring_step", "ring_step")  # OWL_COMPILE=1: both in one call
         else:
             self.cache.reset(1)
 

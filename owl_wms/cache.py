@@ -15,7 +15,7 @@ import torch
 
 from .config import ModelConfig
 from .layouts import FrameStore, Layout, RingLayout, make_layout
-from .quant import Quantizer, ScalePolicy, make_codec
+from .quant import RING_STEP, Quantizer, ScalePolicy, make_codec
 from .settings import KVSettings, SettingsError
 
 
@@ -268,6 +268,7 @@ class QuantizedStaticCache(CacheUpdates):
         self._shared: dict[int, tuple] = {}  # owner -> (k, v, in place?) of its latest call
         self._last_read: dict[int, bool | None] = {}  # owner -> None (time order) or the ring read's pending flag
         self._work_bufs: dict[tuple, tuple] = {}
+        self._slot_index: dict[tuple, torch.Tensor] = {}  # (slot, capacity) -> index on the device
         # Tail-only reads: an owner reads what the widest reader of its group can see.
         self._group_window = {i: max(q.window for q in self.plans if q.owner == i) for i in self.stores}
         self._lends = {i: any(q.owner == i and q.layer != i for q in self.plans) for i in self.stores}
@@ -454,23 +455,12 @@ class QuantizedStaticCache(CacheUpdates):
             return keys, values, None if pending is None else self._ring_mask(layer, pending)
         n = self._check(layer, k, v)
         store = self.stores[layer]
-        items = self._encode(layer, k, v, commit=self.should_update)
         if self.layout.in_place and n == 1:
-            # The frame takes the slot the next write would use: empty, or the oldest frame,
-            # which no query of this group can see any more (capacity = the group's window).
-            if self.should_update:
-                self._write(layer, items, 1, k, v)
-            else:
-                for name, item in items.items():
-                    Layout._put(store, name, item, self.layout.pointer(store), store.written)
-                if store.length == store.capacity:
-                    store.length -= 1  # the oldest frame's slot now holds this call's (scratch) frame
-            plain = not any(q.quantized for q in self.quant[layer])
-            # bf16 rings are read as they are; quantized ones are decoded into working buffers.
-            keys, values = self._decode(layer, store.bufs, None if plain else self._work(store.capacity))
+            keys, values = self._ring_frame(layer, store, k, v)
             out = (keys, values, not self.should_update)
             mask = self._ring_mask(layer, out[2])
         else:
+            items = self._encode(layer, k, v, commit=self.should_update)
             m = self._history(layer, n)
             work = self._work(m + n)  # history then this call's frames, decoded side by side
             self._decode(layer, self.layout.read(store, m), work)
@@ -484,6 +474,48 @@ class QuantizedStaticCache(CacheUpdates):
             self._shared[layer] = out
         self._last_read[layer] = out[2]
         return keys, values, mask
+
+    def _ring_frame(self, layer, store, k, v):
+        """This call's frame into the slot the next write uses (empty, or the oldest frame, which
+        no query of this group can see any more: capacity = the group's window), and the whole
+        ring as attention reads it: bf16 tensors as they are, quantized ones decoded into
+        working buffers."""
+        quantizers = self.quant[layer]
+        work = self._work(store.capacity) if any(q.quantized for q in quantizers) else None
+        fused = work is not None and self._fused_ring_step(layer, store, k, v, work)
+        items = None if fused else self._encode(layer, k, v, commit=self.should_update)
+        if self.should_update:
+            self._write(layer, items, 1, k, v)
+        else:  # a scratch frame: the next write (step 2 of this frame) replaces it
+            slot = self.layout.pointer(store)
+            for name in store.bufs:
+                Layout._put(store, name, None if fused else items[name], slot, store.written)
+            if store.length == store.capacity:
+                store.length -= 1  # the oldest frame's slot now holds this call's frame
+        if work is not None and not fused:
+            return self._decode(layer, store.bufs, work)
+        return [w if q.quantized else store.bufs[name].flatten(2, 3)
+                for name, q, w in zip("kv", quantizers, work or (None, None))]
+
+    def _fused_ring_step(self, layer, store, k, v, work) -> bool:
+        """OWL_COMPILE=1: encode, write and decode K and V of one frame in one compiled call
+        (amax policies). False, with nothing done, where it does not apply or cannot compile."""
+        kq, vq = self.quant[layer]
+        if not (self.fused_kernels and kq.one_pass and vq.one_pass and (kq.quantized or vq.quantized)):
+            return False
+        slot = self.layout.pointer(store)
+        index = self._slot_index.get((slot, store.capacity))
+        if index is None:
+            index = self._slot_index[(slot, store.capacity)] = torch.tensor([slot], device=self.device)
+        args = [(self._frames(x), store.bufs[name], store.bufs.get(f"{name}_scale"), index,
+                 out.view(*store.bufs[name].shape[:-1], -1), q.tally_tensor(self.device) if q.quantized else None,
+                 q.codec, q.policy.dims, q.policy.floor)
+                for name, q, x, out in (("k", kq, k, work[0]), ("v", vq, v, work[1]))]
+        done, tallies = RING_STEP[(vq if vq.quantized else kq).codec.name](*args)
+        if done and self.should_update:  # counters describe what entered the cache
+            for q, x, tally in ((kq, k, tallies[0]), (vq, v, tallies[1])):
+                q.committed(x.numel(), tally)
+        return done
 
     def ring_view(self, layer: int):
         """How the keys of this layer's latest read are ordered: None for time order, or

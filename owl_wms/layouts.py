@@ -58,10 +58,12 @@ class Layout:
         raise NotImplementedError
 
     @staticmethod
-    def _put(store: FrameStore, name: str, item: torch.Tensor, start: int, first_frame: int):
-        """Write frames item[:, :, i] to slots start + i (contiguous), tags following."""
-        n = item.shape[2]
-        store.bufs[name][:, :, start:start + n] = item
+    def _put(store: FrameStore, name: str, item: torch.Tensor | None, start: int, first_frame: int):
+        """Write frames item[:, :, i] to slots start + i (contiguous), tags following; ``item``
+        None: one frame a fused kernel already wrote into slot ``start`` (tag only)."""
+        n = 1 if item is None else item.shape[2]
+        if item is not None:
+            store.bufs[name][:, :, start:start + n] = item
         store.tags[name][start:start + n] = torch.arange(first_frame, first_frame + n)
 
 
@@ -112,12 +114,19 @@ class RingLayout(Layout):
         return store.written % store.capacity
 
     def write(self, store, items, n):
+        """``items`` None: a fused kernel already wrote one frame into the pointer's slot."""
         c = store.capacity
         m = min(n, c)
         first = store.written + n - m
         start = first % c
         head = min(m, c - start)  # up to the end of the ring, then wrap to slot 0
+        if items is None:
+            assert n == 1, "a fused ring write holds one frame"
+            items = dict.fromkeys(store.bufs)
         for name, item in items.items():
+            if item is None:
+                self._put(store, name, None, start, first)
+                continue
             item = item[:, :, n - m:]
             self._put(store, name, item[:, :, :head], start, first)
             if head < m:

@@ -139,21 +139,33 @@ class Int4Codec(Codec):
 # Codecs are shared instances and policies enter as plain constants, so every layer reuses
 # the same compiled graphs; each codec family has its own kernel functions (and so its own
 # compile cache).
+def stored_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``scale`` rounded to the ``dtype`` it is stored in, kept in fp32: values are
+    quantized against the scale exactly as decoding will read it. bf16 rounding (to nearest
+    even) is done on the bits, which a compiler cannot fold away as it may a to(bf16).float()
+    pair (Inductor does, and compiled and eager codes then disagree)."""
+    if dtype == torch.bfloat16:
+        bits = scale.view(torch.int32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
+    return scale.to(dtype).float()
+
+
 def _quantize(x, scale, codec: Codec, count: bool):
-    """Stored values of frames ``x`` under ``scale``, and (when ``count``) how many inputs
-    saturated or were not finite, as tensors."""
+    """Stored values of frames ``x`` under the fp32 ``scale``, and (when ``count``) how many
+    inputs saturated and how many were not finite, as one int64 pair."""
     xf = x.float()
-    y = xf / scale.float()
+    y = xf / scale
     q = codec.encode(torch.nan_to_num(y))
     if not count:
-        return q, None, None
-    return q, (y.abs() > codec.qmax * 1.01).sum(), (~torch.isfinite(xf)).sum()  # beyond bf16 scale rounding
+        return q, None
+    # "saturated": beyond bf16 scale rounding
+    return q, torch.stack(((y.abs() > codec.qmax * 1.01).sum(), (~torch.isfinite(xf)).sum()))
 
 
 def _scale_and_quantize(x, codec: Codec, dims: tuple, floor: float, scale_dtype, count: bool):
     """Amax scales over ``dims`` and the stored values in one go (policies without memory)."""
-    scale = (x.float().abs().amax(dim=dims, keepdim=True) / codec.qmax).clamp_min(floor).to(scale_dtype)
-    return (scale, *_quantize(x, scale, codec, count))
+    scale = stored_scale((x.float().abs().amax(dim=dims, keepdim=True) / codec.qmax).clamp_min(floor), scale_dtype)
+    return (scale.to(scale_dtype), *_quantize(x, scale, codec, count))
 
 
 def _scaled_cast(q, scale, out):
@@ -163,8 +175,14 @@ def _scaled_cast(q, scale, out):
 def _int4_unpack(q, scale, out):
     x = q.to(torch.float32)  # float arithmetic vectorises on CPU; byte bit operations do not
     high = torch.floor(x * 0.0625)
-    halves = torch.cat((x - 16 * high, high), dim=-1) - 8  # low nibbles, then high nibbles, signed
-    out.copy_(halves.to(out.dtype) * scale.to(out.dtype))
+    half = q.shape[-1]
+    # Each nibble fills its contiguous half of ``out`` directly: a concatenation would make
+    # Inductor write an fp32 temporary of the whole window first (~5x slower on CPU).
+    lo, hi = out.unflatten(-1, (2, half)).unbind(-2)
+    s = scale.to(torch.float32)
+    s_lo, s_hi = (s, s) if s.shape[-1] == 1 else s.unflatten(-1, (2, half)).unbind(-2)  # per-channel scales split too
+    lo.copy_(((x - 16 * high - 8) * s_lo).to(out.dtype))
+    hi.copy_(((high - 8) * s_hi).to(out.dtype))
 
 
 def _encode_int8(*args):
@@ -185,6 +203,40 @@ def _decode_int8(q, scale, out):
 
 def _decode_fp8(q, scale, out):
     _scaled_cast(q, scale, out)
+
+
+def _ring_tensor(x, buf, scale_buf, slot, out, tally, codec: Codec, dims: tuple, floor: float):
+    """One frame ``x`` [b, h, 1, tpf, dh] into ring slot ``slot`` (a one-element index) of
+    ``buf`` with its scales, then the whole ring decoded into ``out``; returns ``tally``
+    advanced by this frame's saturated and non-finite inputs. A bf16 ring is only written:
+    attention reads it as it is."""
+    if codec.qmax is None:
+        buf.index_copy_(2, slot, x)
+        return tally
+    scale, q, counts = _scale_and_quantize(x, codec, dims, floor, scale_buf.dtype, True)
+    buf.index_copy_(2, slot, q)
+    scale_buf.index_copy_(2, slot, scale)
+    (_int4_unpack if codec.pack == 2 else _scaled_cast)(buf, scale_buf, out)
+    return tally + counts
+
+
+# The whole cache work of one layer for one generated frame in the inplace layout, K and V:
+# encode, write into the ring, decode the ring, in one compiled call (one launch overhead).
+# One function per codec family, so that each has its own compile cache.
+def _ring_step_int8(k_args: tuple, v_args: tuple):
+    return _ring_tensor(*k_args), _ring_tensor(*v_args)
+
+
+def _ring_step_fp8_e4m3(k_args: tuple, v_args: tuple):
+    return _ring_tensor(*k_args), _ring_tensor(*v_args)
+
+
+def _ring_step_fp8_e5m2(k_args: tuple, v_args: tuple):
+    return _ring_tensor(*k_args), _ring_tensor(*v_args)
+
+
+def _ring_step_int4(k_args: tuple, v_args: tuple):
+    return _ring_tensor(*k_args), _ring_tensor(*v_args)
 
 
 class Fused:
@@ -216,6 +268,9 @@ _ENCODE_FP8 = Fused(_encode_fp8)
 # (scripts.bench_kv), so e5m2 decodes eagerly.
 FUSED = {"int8": (Fused(_encode_int8), Fused(_decode_int8)), "fp8_e4m3": (_ENCODE_FP8, Fused(_decode_fp8)),
          "fp8_e5m2": (_ENCODE_FP8, None), "int4": (Fused(_encode_int4), Fused(_int4_unpack))}
+# codec of the values (or of the keys, if only they are quantized) -> fused inplace ring step
+RING_STEP = {"int8": Fused(_ring_step_int8), "fp8_e4m3": Fused(_ring_step_fp8_e4m3),
+             "fp8_e5m2": Fused(_ring_step_fp8_e5m2), "int4": Fused(_ring_step_int4)}
 
 
 @functools.lru_cache(maxsize=None)  # codecs hold no state: one shared instance per name
@@ -293,7 +348,7 @@ class Quantizer:
 
     ``encode`` returns stored data and scales for whole frames; temporal policies carry the
     last committed frame's scale in ``prev`` (advanced only when ``commit``). Counters of
-    saturated and non-finite inputs accumulate as tensors: reading them is the only sync.
+    saturated and non-finite inputs accumulate in a tensor: reading them is the only sync.
     """
 
     def __init__(self, codec: Codec, policy: ScalePolicy, fused: bool = False):
@@ -303,7 +358,8 @@ class Quantizer:
         # policies whose scales come from the frame alone (amax, no memory) encode in one kernel
         self.one_pass = not policy.temporal and policy.percentile in (None, 100)
         self.prev: torch.Tensor | None = None
-        self.saturated = self.nonfinite = self.count = 0
+        self.tally: torch.Tensor | int = 0  # (saturated, non-finite) inputs
+        self.count = 0
 
     @property
     def quantized(self) -> bool:
@@ -314,7 +370,19 @@ class Quantizer:
 
     def reset(self):
         self.prev = None
-        self.saturated = self.nonfinite = self.count = 0
+        self.tally, self.count = 0, 0
+
+    def tally_tensor(self, device) -> torch.Tensor:
+        """The tally as a tensor on ``device`` (what a fused kernel takes and returns)."""
+        if not torch.is_tensor(self.tally) or self.tally.device != torch.device(device):
+            self.tally = torch.zeros(2, dtype=torch.int64, device=device) + self.tally
+        return self.tally
+
+    def committed(self, values: int, tally: torch.Tensor | None):
+        """Account a committed write of ``values`` inputs (counters describe what entered the cache)."""
+        self.count += values
+        if tally is not None:
+            self.tally = tally
 
     def scales(self, x: torch.Tensor, commit: bool) -> torch.Tensor:
         p, qmax = self.policy, self.codec.qmax
@@ -344,14 +412,13 @@ class Quantizer:
         if self.fused_encode is not None and self.one_pass:
             done, res = self.fused_encode(x, self.codec, self.policy.dims, self.policy.floor, scale_dtype, commit)
         if done:
-            scale, q, saturated, nonfinite = res
+            scale, q, counts = res
         else:
-            scale = self.scales(x.float(), commit).to(scale_dtype)
-            q, saturated, nonfinite = _quantize(x, scale, self.codec, commit)
-        if commit:  # counters describe what entered the cache
-            self.saturated = self.saturated + saturated
-            self.nonfinite = self.nonfinite + nonfinite
-            self.count += x.numel()
+            scale = stored_scale(self.scales(x.float(), commit), scale_dtype)
+            q, counts = _quantize(x, scale, self.codec, commit)
+            scale = scale.to(scale_dtype)
+        if commit:
+            self.committed(x.numel(), self.tally + counts)
         return q, scale
 
     def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, out=None) -> torch.Tensor:
@@ -363,6 +430,6 @@ class Quantizer:
         return self.codec.decode(q, scale, dtype, out)
 
     def stats(self) -> dict:
-        as_int = lambda v: int(v) if not torch.is_tensor(v) else int(v.item())  # noqa: E731
-        return {"values": self.count, "saturated": as_int(self.saturated), "nonfinite": as_int(self.nonfinite)}
+        saturated, nonfinite = self.tally.tolist() if torch.is_tensor(self.tally) else (0, 0)
+        return {"values": self.count, "saturated": saturated, "nonfinite": nonfinite}
 

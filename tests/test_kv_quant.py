@@ -51,6 +51,45 @@ def test_fused_kernels_match_the_eager_codecs(codec):
         assert (work[:, :, 0] == 7).all() and (work[:, :, -1] == 7).all()
 
 
+@pytest.mark.parametrize("env", [dict(OWL_KV_STORAGE="int8"), dict(OWL_KV_STORAGE="fp8_e4m3"),
+                                 dict(OWL_KV_STORAGE="fp8_e5m2"), dict(OWL_KV_STORAGE="int4", OWL_KV_SCALE="channel"),
+                                 dict(OWL_FP8_KV="1", OWL_K_FP8="0")], ids=str)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device (run on a GPU machine)"))])
+def test_fused_ring_step_matches_the_eager_ring(env, device, monkeypatch):
+    """OWL_COMPILE's one-call inplace step (encode + write + decode of K and V) leaves the same
+    bits in the ring, returns the same window and mask, and counts the same inputs."""
+    cfg = tiny_config(n_layers=2, local_window=2, local_idx=2)
+    plans = plan_layers(cfg, kv(OWL_RING_MODE="inplace", **env), 4)
+    eager, fused = (QuantizedStaticCache(cfg, plans, "inplace", device=device, guard=1, fused_kernels=f)
+                    for f in (False, True))
+    ran = []
+    step = fused._fused_ring_step
+    monkeypatch.setattr(fused, "_fused_ring_step", lambda *a: ran.append(step(*a)) or ran[-1])
+    hist = kv_frames(cfg, 3, 1.0)
+    for c in (eager, fused):
+        c.enable_cache_updates()
+        for layer in range(cfg.n_layers):
+            c.attend_window(layer, *(t.to(device, torch.bfloat16) for t in hist))
+    for f in range(6):
+        k, v = (t.to(device, torch.bfloat16) for t in kv_frames(cfg, 1, 2.0 + f))
+        v[0, 0, 0, 0] = float("inf") if f == 2 else v[0, 0, 0, 0]  # counted (NaN amax is backend-defined)
+        for update in (False, True):
+            for layer in range(cfg.n_layers):
+                outs = []
+                for c in (eager, fused):
+                    c.should_update = update
+                    outs.append(c.attend_window(layer, k, v))
+                (ke, ve, me), (kf, vf, mf) = outs
+                assert torch.equal(ke, kf) and torch.equal(ve.nan_to_num(-1), vf.nan_to_num(-1))
+                assert (me is None and mf is None) or torch.equal(me, mf)
+    assert ran and all(ran)  # the fused step ran, every time
+    for i in eager.stores:
+        for name, b in eager.stores[i].bufs.items():
+            assert torch.equal(b.view(torch.uint8), fused.stores[i].bufs[name].view(torch.uint8)), name
+    assert eager.quant_stats() == fused.quant_stats() and fused.quant_stats()["nonfinite"] == cfg.n_layers
+
+
 def test_fused_kernels_fall_back_to_eager_with_the_reason(monkeypatch):
     from owl_wms import quant
 
