@@ -104,23 +104,31 @@ def cache_cost(mode: CacheFrames, base: CacheFrames, frames: int) -> tuple[float
     return statistics.median(times) * 1000, statistics.median(ratios)
 
 
-def world_matrix(checkpoint, frames, device):
+def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool = False, warmup: int = 4) -> list[dict]:
+    """Each mode (name -> OWL_* flags) on the shipped world (real pipeline, denoise + decode,
+    walk_turn actions): FPS, median ms, KV bytes, and the torch.compile graphs made after the
+    warm-up frames (0: no recompiles in steady state)."""
+    from torch._dynamo.utils import counters
+
     from inference.actions import load_actions
     from inference.causvid_pipeline import CausvidPipeline
 
     rows = []
-    actions = load_actions("walk_turn", frames + 4)
-    for name, env in MATRIX.items():
-        settings = kv_settings({**env, "OWL_DEVICE": device})
+    actions = load_actions("walk_turn", frames + warmup)
+    for name, env in modes.items():
+        settings = kv_settings({**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"})
         pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
-        times = []
-        for i in range(frames + 4):
+        times, graphs = [], 0
+        for i in range(frames + warmup):
+            if i == warmup:
+                graphs = counters["stats"]["unique_graphs"]
             mouse, buttons = actions[i]
             _, seconds = pipe(torch.tensor(mouse), torch.tensor(buttons, dtype=torch.float32))
-            if i >= 4:
+            if i >= warmup:
                 times.append(seconds)
-        rows.append({"mode": name, "fps": len(times) / sum(times), "median_ms": statistics.median(times) * 1000,
-                     "kv_mib": pipe.kv_bytes / 2**20,
+        rows.append({"mode": name, "compiled": compiled, "fps": len(times) / sum(times),
+                     "median_ms": statistics.median(times) * 1000, "kv_mib": pipe.kv_bytes / 2**20,
+                     "recompiles": counters["stats"]["unique_graphs"] - graphs,
                      "flags": " ".join(f"{k}={v}" for k, v in env.items()) or "(defaults)"})
         del pipe
         gc.collect()
@@ -178,7 +186,7 @@ def main(argv=None):
 
     out = {"machine": machine(), "torch": torch.__version__, "cache": results}
     if not args.skip_matrix:
-        rows = world_matrix(args.checkpoint, args.matrix_frames, args.device)
+        rows = world_rows(MATRIX, args.checkpoint, args.matrix_frames, args.device)
         print(f"\nv0-v4 on the shipped world ({args.matrix_frames} frames, denoise + decode, walk_turn actions)")
         print(f"{'mode':<24} {'FPS':>7} {'median ms':>10} {'KV MiB':>8}  flags")
         for r in rows:

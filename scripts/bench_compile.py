@@ -1,0 +1,54 @@
+"""Eager vs ``OWL_COMPILE=1`` on the shipped world, per cache mode, side by side in one run.
+
+    python -m scripts.bench_compile [--frames 32] [--device cpu] [--json out.json]
+
+For each mode: frames per second (denoise + decode) eagerly and compiled, each as a ratio to
+eager bf16 roll from the same run, and the torch.compile graphs made after the warm-up frames
+(dynamo's ``unique_graphs`` counter): 0 means decoding does not recompile in steady state.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .bench_kv import world_rows
+from .bench_pipeline import machine
+
+MODES = {
+    "bf16 roll": {"OWL_KV_STORAGE": "bf16", "OWL_RING_MODE": "roll"},
+    "bf16 inplace": {"OWL_RING_MODE": "inplace"},
+    "int8 roll": {"OWL_KV_STORAGE": "int8"},
+    "int8 inplace": {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"},
+    "fp8_e4m3 inplace": {"OWL_KV_STORAGE": "fp8_e4m3", "OWL_RING_MODE": "inplace"},
+    "int4 inplace": {"OWL_KV_STORAGE": "int4", "OWL_RING_MODE": "inplace"},
+    "fp8 V-only inplace": {"OWL_FP8_KV": "1", "OWL_K_FP8": "0", "OWL_RING_MODE": "inplace"},
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, default=32, help="measured frames per mode (after 4 warm-up frames)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--checkpoint", default=None, help="world (default: the shipped one)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    print(f"command: python -m scripts.bench_compile {' '.join(sys.argv[1:])}".rstrip())
+    print(f"torch {torch.__version__}; machine: {machine()}; device {args.device}")
+    rows = [*world_rows(MODES, args.checkpoint, args.frames, args.device, compiled=False),
+            *world_rows(MODES, args.checkpoint, args.frames, args.device, compiled=True)]
+    ref = rows[0]["fps"]
+    print(f"\n{'mode':<20} {'eager FPS':>10} {'compiled FPS':>13} {'x eager bf16 roll':>18} {'recompiles':>11} {'KV MiB':>8}")
+    for name in MODES:
+        eager, comp = (next(r for r in rows if r["mode"] == name and r["compiled"] == c) for c in (False, True))
+        print(f"{name:<20} {eager['fps']:>10.2f} {comp['fps']:>13.2f} {eager['fps'] / ref:>8.2f} / {comp['fps'] / ref:<7.2f} "
+              f"{eager['recompiles']:>4} / {comp['recompiles']:<4} {eager['kv_mib']:>8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
