@@ -69,9 +69,10 @@ class Int8Codec(Codec):
         return y.round().clamp_(-self.qmax, self.qmax).to(torch.int8)
 
     def decode(self, q, scale, dtype, out=None):
-        if out is not None:
-            return torch.mul(q, scale.to(dtype), out=out)
-        return q * scale.to(dtype)  # int8 x float promotes in one fused kernel
+        # Cast, then scale in place: exact (int8 fits bf16) and ~2.5x faster on CPU than one
+        # int8 x bf16 multiply, whose type promotion runs unvectorised.
+        out = q.to(dtype) if out is None else out.copy_(q)
+        return out.mul_(scale.to(dtype))
 
 
 def _lut_decode(lut: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out=None):
@@ -150,16 +151,19 @@ def stored_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return scale.to(dtype).float()
 
 
-def _quantize(x, scale, codec: Codec, count: bool):
+def _quantize(x, scale, codec: Codec, count: bool, clips: bool = False):
     """Stored values of frames ``x`` under the fp32 ``scale``, and (when ``count``) how many
-    inputs saturated and how many were not finite, as one int64 pair."""
+    inputs saturated and how many were not finite, as one int64 pair. Only a scale that can
+    clip (``clips``: a percentile or an EMA below the frame's amax) saturates anything: amax
+    scales bound |x / scale| by qmax up to the scale's rounding, so the count is skipped."""
     xf = x.float()
     y = xf / scale
     q = codec.encode(torch.nan_to_num(y))
     if not count:
         return q, None
-    # "saturated": beyond bf16 scale rounding
-    return q, torch.stack(((y.abs() > codec.qmax * 1.01).sum(), (~torch.isfinite(xf)).sum()))
+    nonfinite = (~torch.isfinite(xf)).sum()
+    saturated = (y.abs() > codec.qmax * 1.01).sum() if clips else torch.zeros_like(nonfinite)
+    return q, torch.stack((saturated, nonfinite))
 
 
 def _scale_and_quantize(x, codec: Codec, dims: tuple, floor: float, scale_dtype, count: bool):
@@ -307,6 +311,11 @@ class ScalePolicy:
             raise ValueError(f"scale smoothing {self.smooth} must be in [0, 1)")
 
     @property
+    def clips(self) -> bool:
+        """Scales can fall below a frame's amax (percentile, EMA), so values can saturate."""
+        return self.percentile not in (None, 100) or (self.granularity == "head" and self.ema is not None)
+
+    @property
     def temporal(self) -> bool:
         """Scales depend on earlier frames (sequential over the frames of a write)."""
         return self.granularity == "head" or self.smooth > 0
@@ -414,8 +423,9 @@ class Quantizer:
         if done:
             scale, q, counts = res
         else:
-            scale = stored_scale(self.scales(x.float(), commit), scale_dtype)
-            q, counts = _quantize(x, scale, self.codec, commit)
+            xf = x.float()
+            scale = stored_scale(self.scales(xf, commit), scale_dtype)
+            q, counts = _quantize(xf, scale, self.codec, commit, self.policy.clips)
             scale = scale.to(scale_dtype)
         if commit:
             self.committed(x.numel(), self.tally + counts)
