@@ -508,7 +508,7 @@ class QuantizedStaticCache(CacheUpdates):
         if index is None:
             index = self._slot_index[(slot, store.capacity)] = torch.tensor([slot], device=self.device)
         args = [(self._frames(x), store.bufs[name], store.bufs.get(f"{name}_scale"), index,
-                 out.view(*store.bufs[name].shape[:-1], -1), q.tally_tensor(self.device) if q.quantized else None,
+                 out.view(*store.bufs[name].shape[:-1], -1), q.tally_tensor(x.device) if q.quantized else None,
                  q.codec, q.policy.dims, q.policy.floor)
                 for name, q, x, out in (("k", kq, k, work[0]), ("v", vq, v, work[1]))]
         done, tallies = RING_STEP[(vq if vq.quantized else kq).codec.name](*args)

@@ -69,8 +69,8 @@ class Int8Codec(Codec):
         return y.round().clamp_(-self.qmax, self.qmax).to(torch.int8)
 
     def decode(self, q, scale, dtype, out=None):
-        # Cast, then scale in place: exact (int8 fits bf16) and ~2.5x faster on CPU than one
-        # int8 x bf16 multiply, whose type promotion runs unvectorised.
+        # Cast, then scale in place: exact (int8 fits bf16), and faster on CPU than one int8 x
+        # bf16 multiply, whose type promotion runs unvectorised.
         out = q.to(dtype) if out is None else out.copy_(q)
         return out.mul_(scale.to(dtype))
 
@@ -181,7 +181,7 @@ def _int4_unpack(q, scale, out):
     high = torch.floor(x * 0.0625)
     half = q.shape[-1]
     # Each nibble fills its contiguous half of ``out`` directly: a concatenation would make
-    # Inductor write an fp32 temporary of the whole window first (~5x slower on CPU).
+    # Inductor write an fp32 temporary of the whole window first (several times slower on CPU).
     lo, hi = out.unflatten(-1, (2, half)).unbind(-2)
     s = scale.to(torch.float32)
     s_lo, s_hi = (s, s) if s.shape[-1] == 1 else s.unflatten(-1, (2, half)).unbind(-2)  # per-channel scales split too
@@ -381,9 +381,10 @@ class Quantizer:
         self.prev = None
         self.tally, self.count = 0, 0
 
-    def tally_tensor(self, device) -> torch.Tensor:
-        """The tally as a tensor on ``device`` (what a fused kernel takes and returns)."""
-        if not torch.is_tensor(self.tally) or self.tally.device != torch.device(device):
+    def tally_tensor(self, device: torch.device) -> torch.Tensor:
+        """The tally as a tensor on ``device`` (a tensor's own device, so "cuda" never differs
+        from "cuda:0"): what a fused kernel takes and returns."""
+        if not torch.is_tensor(self.tally) or self.tally.device != device:
             self.tally = torch.zeros(2, dtype=torch.int64, device=device) + self.tally
         return self.tally
 
