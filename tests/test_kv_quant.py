@@ -5,7 +5,7 @@ import torch
 from inference.causvid_pipeline import CausvidPipeline
 from owl_wms.cache import QuantizedStaticCache, RingGuardError, StaticCache, build_cache, plan_layers
 from owl_wms.layouts import Layout
-from owl_wms.quant import CODECS, Quantizer, ScalePolicy, make_codec
+from owl_wms.quant import CODECS, Quantizer, ScalePolicy, make_codec, stored_scale
 from owl_wms.settings import KVSettings, Settings, SettingsError
 
 from .conftest import fp32_settings, random_model, tiny_config, tiny_world
@@ -88,6 +88,16 @@ def test_fused_ring_step_matches_the_eager_ring(env, device, monkeypatch):
         for name, b in eager.stores[i].bufs.items():
             assert torch.equal(b.view(torch.uint8), fused.stores[i].bufs[name].view(torch.uint8)), name
     assert eager.quant_stats() == fused.quant_stats() and fused.quant_stats()["nonfinite"] == cfg.n_layers
+
+
+def test_stored_scale_rounds_like_the_bf16_cast():
+    """The bit-level rounding that compiled code cannot fold away equals torch's own cast."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(100_000, generator=g) * 10.0 ** torch.randint(-30, 30, (100_000,), generator=g).float()
+    x = torch.cat([x, torch.tensor([float("inf"), 1e-8, 3.3e38, 2.0 ** -126])])
+    assert torch.equal(stored_scale(x, torch.bfloat16), x.to(torch.bfloat16).float())
+    assert torch.isnan(stored_scale(torch.tensor([float("nan")]), torch.bfloat16)).all()
+    assert torch.equal(stored_scale(x, torch.float32), x)
 
 
 def test_fused_kernels_fall_back_to_eager_with_the_reason(monkeypatch):
