@@ -268,7 +268,7 @@ class QuantizedStaticCache(CacheUpdates):
         self._shared: dict[int, tuple] = {}  # owner -> (k, v, in place?) of its latest call
         self._last_read: dict[int, bool | None] = {}  # owner -> None (time order) or the ring read's pending flag
         self._work_bufs: dict[tuple, tuple] = {}
-        self._slot_index: dict[tuple, torch.Tensor] = {}  # (slot, capacity) -> index on the device
+        self._slot_index: dict[int, torch.Tensor] = {}  # slot -> the same index on the device (any store)
         # Tail-only reads: an owner reads what the widest reader of its group can see.
         self._group_window = {i: max(q.window for q in self.plans if q.owner == i) for i in self.stores}
         self._lends = {i: any(q.owner == i and q.layer != i for q in self.plans) for i in self.stores}
@@ -504,9 +504,9 @@ class QuantizedStaticCache(CacheUpdates):
         if not (self.fused_kernels and kq.one_pass and vq.one_pass and (kq.quantized or vq.quantized)):
             return False
         slot = self.layout.pointer(store)
-        index = self._slot_index.get((slot, store.capacity))
+        index = self._slot_index.get(slot)
         if index is None:
-            index = self._slot_index[(slot, store.capacity)] = torch.tensor([slot], device=self.device)
+            index = self._slot_index[slot] = torch.tensor([slot], device=self.device)
         args = [(self._frames(x), store.bufs[name], store.bufs.get(f"{name}_scale"), index,
                  out.view(*store.bufs[name].shape[:-1], -1), q.tally_tensor(x.device) if q.quantized else None,
                  q.codec, q.policy.dims, q.policy.floor)
