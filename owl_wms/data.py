@@ -3,6 +3,11 @@
 The policy holds keys with persistence (mostly walking forward), moves the mouse smoothly
 (an Ornstein-Uhlenbeck process), turns away from walls it is about to hit, and now and then
 uses every other button (sprint, jump, reload, flashlight, interact, fire, zoom).
+
+Styles differ only in the mouse process. ``explore`` (the shipped world's data) moves it slowly
+and smoothly, so the past frames already predict most of the next turn and a model can do well
+without reading the controls. ``lively`` turns faster with less persistence, so the next view
+depends on the action far more than on the motion so far.
 """
 from __future__ import annotations
 
@@ -16,6 +21,12 @@ from .simulator import D_, E_, F_, LMB, R_, RMB, SHIFT, SPACE, A_, S_, W_, MazeS
 HELD_OUT_SEED = 1_000_000  # level seeds at or above this are never used for training
 
 
+# style -> (mouse persistence per frame, weight of the new draw, its std [dx, dy] in mouse units);
+# the weights are written out, not computed as 1 - persistence, so "explore" stays bit-identical
+# to the data the shipped world was trained on.
+POLICY_STYLES = {"explore": (0.85, 0.15, (7.0, 2.0)), "lively": (0.5, 0.5, (12.0, 4.0))}
+
+
 class ExplorerPolicy:
     # Per-frame chance to start pressing / keep holding each button.
     START = {W_: 0.10, S_: 0.015, A_: 0.02, D_: 0.02, SHIFT: 0.02, SPACE: 0.02, R_: 0.008,
@@ -23,7 +34,10 @@ class ExplorerPolicy:
     HOLD = {W_: 0.95, S_: 0.8, A_: 0.8, D_: 0.8, SHIFT: 0.9, SPACE: 0.3, R_: 0.3,
             F_: 0.2, E_: 0.3, LMB: 0.7, RMB: 0.9}
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, style: str = "explore"):
+        if style not in POLICY_STYLES:
+            raise ValueError(f"unknown policy style {style!r}; choose one of {sorted(POLICY_STYLES)}")
+        self.persist, self.innovation, self.mouse_std = POLICY_STYLES[style]
         self.rng = np.random.default_rng(seed)
         self.held = np.zeros(11, dtype=bool)
         self.mouse = np.zeros(2)
@@ -36,7 +50,7 @@ class ExplorerPolicy:
             self.held[k] = rng.random() < p
         if self.held[S_]:
             self.held[W_] = False
-        self.mouse = 0.85 * self.mouse + 0.15 * rng.normal(0, [7.0, 2.0])
+        self.mouse = self.persist * self.mouse + self.innovation * rng.normal(0, self.mouse_std)
         self.mouse[1] += 0.08 * sim.state.tilt / sim.cfg.tilt_per_px  # drift the view back level
         depth = sim.depth if sim.depth is not None else np.full(sim.cfg.width, 9.0)
         centre = depth[len(depth) // 3: 2 * len(depth) // 3].min()
@@ -49,13 +63,13 @@ class ExplorerPolicy:
 
 
 def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None,
-                    config: SimConfig | None = None, then: list | None = None):
+                    config: SimConfig | None = None, then: list | None = None, style: str = "explore"):
     """frames uint8 [n, H, W, 3], mouse float32 [n, 2], buttons float32 [n, 11];
     frame i is what the simulator shows after action i. ``then`` (a list of (mouse, buttons))
     continues the episode after the policy's ``frames`` with given actions (n grows by len(then))."""
     sim = MazeSim(level_seed, config)
     sim.render()
-    policy = ExplorerPolicy(level_seed * 7 + 1 if policy_seed is None else policy_seed)
+    policy = ExplorerPolicy(level_seed * 7 + 1 if policy_seed is None else policy_seed, style)
     then = list(then or [])
     n = frames + len(then)
     out = np.empty((n, sim.cfg.height, sim.cfg.width, 3), dtype=np.uint8)
@@ -68,11 +82,13 @@ def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None
     return out, mouse, buttons
 
 
-def level_clip(coder, seed: int, window: int, future: int, size: int, name: str | None = None):
+def level_clip(coder, seed: int, window: int, future: int, size: int, name: str | None = None,
+               style: str = "explore"):
     """A clip that starts on a simulator level: ``window`` history frames encoded with
     ``coder`` (a FrameDecoder) plus ``future`` recorded policy actions.
     Returns (clip, the level's uint8 frames [window + future, size, size, 3])."""
-    frames, mouse, buttons = rollout_episode(seed, window + future, config=SimConfig(width=size, height=size))
+    frames, mouse, buttons = rollout_episode(seed, window + future, config=SimConfig(width=size, height=size),
+                                             style=style)
     clip = Clip(coder.encode_uint8(frames[:window]), torch.from_numpy(mouse), torch.from_numpy(buttons), window,
                 name=name or f"level-{seed}")
     return clip, frames

@@ -30,10 +30,10 @@ def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
 class Episode:
     """A held-out simulator episode: real frames and actions, history encoded once."""
 
-    def __init__(self, pipe, seed: int, frames: int):
+    def __init__(self, pipe, seed: int, frames: int, style: str = "explore"):
         self.seed, self.window = seed, pipe.window
         self.clip, self.frames = level_clip(pipe.decoder, seed, pipe.window, frames, pipe.frame_shape[0],
-                                            name=f"eval-{seed}")
+                                            name=f"eval-{seed}", style=style)
 
     def future(self, k: int):
         i = self.window + k

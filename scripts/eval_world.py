@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
-from owl_wms.data import HELD_OUT_SEED
+from owl_wms.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.evaluation import Episode, action_response, autoregressive, copy_previous, teacher_forced
 
 
@@ -32,7 +32,11 @@ def mean_curve(runs: list[list[tuple[float, float]]], i: int) -> list[float]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    p.add_argument("--weights", default=None,
+                   help="other weights for the checkpoint's model, e.g. a training run's work/world/ema_core.pt")
     p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--policy", default="explore", choices=sorted(POLICY_STYLES),
+                   help="policy style that drives the held-out episodes (owl_wms.data)")
     p.add_argument("--seed-offset", type=int, default=0)
     p.add_argument("--frames", type=int, default=64, help="autoregressive frames per episode")
     p.add_argument("--tf-frames", type=int, default=32, help="teacher-forced frames per episode")
@@ -42,12 +46,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pipe = CausvidPipeline.from_checkpoint(args.checkpoint, clip=None)
+    pipe = CausvidPipeline.from_checkpoint(args.checkpoint, ckpt_path=args.weights, clip=None)
     pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise
     seeds = [HELD_OUT_SEED + args.seed_offset + i for i in range(args.episodes)]
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
-    eps = [Episode(pipe, s, max(n_ar, args.tf_frames)) for s in tqdm(seeds, desc="episodes", unit="ep")]
+    eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy) for s in tqdm(seeds, desc="episodes", unit="ep")]
     ar, tf, other, response, euler = [], [], [], [], []
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
         foreign = eps[(i + 1) % len(eps)]
@@ -65,7 +69,8 @@ def main(argv=None):
     other_gap = float(np.mean([x[0] for r in other for x in r[lo - 1:hi]]))
     report = {
         "command": " ".join(["python -m scripts.eval_world", *sys.argv[1:]]),
-        "checkpoint": args.checkpoint, "world": pipe.world.name, "seeds": seeds,
+        "checkpoint": args.checkpoint, "weights": args.weights, "world": pipe.world.name, "seeds": seeds,
+        "policy": args.policy,
         "teacher_forced_psnr": float(np.mean([x[0] for r in tf for x in r])),
         "teacher_forced_ssim": float(np.mean([x[1] for r in tf for x in r])),
         "ar_psnr": ar_psnr, "ar_ssim": ar_ssim,

@@ -43,8 +43,10 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stats = json.loads((Path(args.latents) / "stats.json").read_text())
+    train = json.loads((Path(args.world) / "train_metrics.json").read_text())
     raw = OmegaConf.load(args.config)
-    raw.train.vae_scale = stats["vae_scale"]
+    # the scale the model was trained with: the latents' own, or a fine-tune's --init world's
+    raw.train.vae_scale = train.get("vae_scale", stats["vae_scale"])
     (out / "config.yaml").write_text(
         f"# Written by scripts.export_checkpoint from {args.config} (train.vae_scale measured by scripts.encode_latents).\n"
         "# inference: the default cache plan, chosen from scripts.quality_kv / bench_kv (README).\n"
@@ -72,7 +74,6 @@ def main(argv=None):
         clip, _ = level_clip(coder, CLIP_SEED + i, world.pipeline.window_frames, args.future, size)
         clip.save(clip_dir / f"clip_{i:02d}.safetensors")
 
-    train = json.loads((Path(args.world) / "train_metrics.json").read_text())
     vae_metrics = json.loads((Path(args.vae) / "metrics.json").read_text())
     data_dir = Path(args.latents).parent / "data"
     manifest = json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").is_file() else {}

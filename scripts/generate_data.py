@@ -1,6 +1,6 @@
 """Stage 1: simulator episodes (frames + actions) for training.
 
-    python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0]
+    python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0] [--policy explore]
 
 One safetensors file per episode (``frames`` uint8 [n,H,W,3], ``mouse`` [n,2], ``buttons``
 [n,11]; metadata: level seed). Level seeds are ``seed + i``; held-out evaluation uses
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from owl_wms.data import rollout_episode
+from owl_wms.data import POLICY_STYLES, rollout_episode
 from owl_wms.simulator import SimConfig
 
 
@@ -30,21 +30,30 @@ def main(argv=None):
     p.add_argument("--frames", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="first level seed")
     p.add_argument("--size", type=int, default=64, help="frame width = height")
+    p.add_argument("--policy", default="explore", choices=sorted(POLICY_STYLES),
+                   help="mouse style of the exploring policy (owl_wms.data)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = SimConfig(width=args.size, height=args.size)
+    manifest = out / "manifest.json"
+    if manifest.is_file():  # resuming: never mix episodes of two policies or sizes in one folder
+        before = json.loads(manifest.read_text())
+        for key, now in (("policy", args.policy), ("size", args.size), ("frames", args.frames)):
+            if before.get(key, "explore" if key == "policy" else None) != now:
+                raise SystemExit(f"error: {out} holds episodes made with --{key} {before.get(key)}; this run asks "
+                                 f"for {now}. Use another --out, or delete {out} to start over")
     t0 = time.time()
     todo = [s for s in range(args.seed, args.seed + args.episodes) if not (out / f"ep_{s:06d}.safetensors").exists()]
     for level in tqdm(todo, desc="episodes", unit="ep", initial=args.episodes - len(todo), total=args.episodes):
-        frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg)
+        frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg, style=args.policy)
         final = out / f"ep_{level:06d}.safetensors"
         tmp = final.with_suffix(".tmp")
         save_file({"frames": torch.from_numpy(frames), "mouse": torch.from_numpy(mouse),
                    "buttons": torch.from_numpy(buttons)}, str(tmp), metadata={"level_seed": str(level)})
         os.replace(tmp, final)
-    (out / "manifest.json").write_text(json.dumps({
-        "episodes": args.episodes, "frames": args.frames, "size": args.size, "first_seed": args.seed,
+    manifest.write_text(json.dumps({
+        "episodes": args.episodes, "frames": args.frames, "size": args.size, "first_seed": args.seed, "policy": args.policy,
         "supersample": cfg.supersample, "seconds_this_run": time.time() - t0}, indent=2))
     print(f"{args.episodes} episodes of {args.frames} frames in {out}")
 

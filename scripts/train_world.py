@@ -4,6 +4,9 @@
 
 Resumable (weights, EMA, optimizer, step and RNG every --save-every steps). Mixed precision
 (bf16 autocast) by default. The EMA weights are what the export stage ships.
+``--init checkpoints/maze-world`` fine-tunes a trained world instead of starting from random
+weights: its weights start the model and the EMA, and its vae_scale normalises the latents
+(a model only understands latents scaled the way it was trained on).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from owl_wms.config import load_config
+from owl_wms.loading import load_weights, read_state_dict
 from owl_wms.training import load_training_state, save_training_state
 from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
@@ -33,6 +37,7 @@ def main(argv=None):
     p.add_argument("--pipeline-frac", type=float, default=0.5, help="share of pipeline-shaped noise samples")
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, help="checkpoint folder to fine-tune (default: random weights)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--fp32", action="store_true")
     p.add_argument("--compile", action="store_true",
@@ -42,7 +47,12 @@ def main(argv=None):
     world = load_config(args.config)
     stats = json.loads((Path(args.latents) / "stats.json").read_text())
     frames = args.frames or world.pipeline.window_frames
-    data = LatentEpisodes(args.latents, stats["vae_scale"], frames)
+    init = load_config(Path(args.init) / "config.yaml") if args.init else None
+    if init is not None and init.model != world.model:
+        raise SystemExit(f"error: --init {args.init} holds a model unlike --config {args.config}'s; "
+                         f"pass that checkpoint's config.yaml as --config")
+    vae_scale = init.vae_scale if init is not None else stats["vae_scale"]
+    data = LatentEpisodes(args.latents, vae_scale, frames)
     torch.manual_seed(args.seed)
     model, ema, opt, sched = world_trainer(world.model, args.lr, args.steps, args.device, args.compile)
     gen = torch.Generator().manual_seed(args.seed)
@@ -50,6 +60,10 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.pt"
     step = load_training_state(state_path, gen, model=model, ema=ema, opt=opt, sched=sched)
+    if init is not None and step == 0:  # a resumed fine-tune has its weights in the state
+        weights = Path(args.init) / "model.safetensors"
+        for net in (model, ema):
+            load_weights(net, read_state_dict(weights), str(weights))
     first_step = step
     t0, losses = time.time(), []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
@@ -78,7 +92,7 @@ def main(argv=None):
     metrics_path.write_text(json.dumps({
         "steps": args.steps, "batch": args.batch, "frames": frames, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
         "seconds_this_run": time.time() - t0, "seconds_all_runs": sum(r["seconds"] for r in runs), "runs": runs,
-        "vae_scale": stats["vae_scale"]}, indent=2))
+        "vae_scale": vae_scale, "init": args.init}, indent=2))
     print(f"trained {args.steps} steps; EMA weights -> {out / 'ema_core.pt'}")
 
 

@@ -161,3 +161,14 @@ def test_e_opens_doors_and_flips_switches():
 def test_policy_uses_every_button():
     _, mouse, buttons = rollout_episode(9, 600)
     assert (buttons.sum(0) > 0).all() and np.abs(mouse[:, 0]).mean() > 1
+
+
+def test_lively_policy_turns_faster_and_less_predictably():
+    def lag1(x):
+        return np.corrcoef(x[:-1], x[1:])[0, 1]
+
+    explore, lively = (rollout_episode(9, 600, style=style)[1][:, 0] for style in ("explore", "lively"))
+    assert np.diff(lively).std() > 2 * np.diff(explore).std()  # larger frame-to-frame changes of the turn rate
+    assert lag1(lively) < lag1(explore) - 0.1  # that the turn so far predicts less
+    with pytest.raises(ValueError, match="unknown policy style 'calm'.*explore"):
+        rollout_episode(9, 2, style="calm")

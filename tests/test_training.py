@@ -44,6 +44,9 @@ def test_stages_resume(chain, capsys):
     train_vae.main(["--data", str(chain / "data"), "--out", str(chain / "vae"), "--steps", "14", "--batch", "4",
                     "--width", "8", "--held-out", "1", "--save-every", "7"])
     assert "resumed at step 12" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--policy explore; this run asks for lively"):  # never mix two policies
+        generate_data.main(["--out", str(chain / "data"), "--episodes", "4", "--frames", "24", "--seed", "5",
+                            "--policy", "lively"])
 
 
 def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys):
@@ -74,6 +77,37 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys):
     pipe = CausvidPipeline.from_checkpoint(tmp_path / "ckpt", verbose=False)
     assert pipe.vae_scale == json.loads((chain / "latents" / "stats.json").read_text())["vae_scale"]
     assert len(pipe.clip_paths) == 2 and pipe([0, 0], [1] + [0] * 10)[0].shape == (64, 64, 3)
+
+    # fine-tune: --init starts model and EMA from the checkpoint, with the checkpoint's vae_scale
+    (chain / "latents2").mkdir()
+    for f in (chain / "latents").iterdir():
+        (chain / "latents2" / f.name).write_bytes(f.read_bytes())
+    stats = json.loads((chain / "latents2" / "stats.json").read_text())
+    (chain / "latents2" / "stats.json").write_text(json.dumps({**stats, "vae_scale": 9.0}))  # other data's scale
+    tune = common[:2] + ["--latents", str(chain / "latents2"), "--batch", "2", "--init", str(tmp_path / "ckpt")]
+    train_world.main(tune + ["--out", str(tmp_path / "ft0"), "--steps", "1", "--lr", "0"])  # a step that moves nothing
+    from owl_wms.loading import read_state_dict
+
+    shipped = read_state_dict(tmp_path / "ckpt" / "model.safetensors")
+    kept = torch.load(tmp_path / "ft0" / "ema_core.pt", weights_only=True)
+    assert kept.keys() == shipped.keys() and all(torch.equal(kept[k], shipped[k].float()) for k in kept)
+    record = json.loads((tmp_path / "ft0" / "train_metrics.json").read_text())
+    assert record["vae_scale"] == pipe.vae_scale and record["init"] == str(tmp_path / "ckpt")
+    train_world.main(tune + ["--out", str(tmp_path / "ft"), "--steps", "1"])
+    tuned = torch.load(tmp_path / "ft" / "ema_core.pt", weights_only=True)
+    assert any(not torch.equal(tuned[k], kept[k]) for k in kept)
+
+    # evaluate a training run's weights in the checkpoint's world, on lively-policy episodes
+    from scripts import eval_world
+
+    eval_world.main(["--checkpoint", str(tmp_path / "ckpt"), "--weights", str(tmp_path / "ft" / "ema_core.pt"),
+                     "--episodes", "2", "--frames", "3", "--tf-frames", "2", "--gap-range", "1", "3",
+                     "--policy", "lively", "--out", str(tmp_path / "eval")])
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert report["policy"] == "lively" and report["weights"].endswith("ema_core.pt")
+    with pytest.raises(SystemExit, match="holds a model unlike"):
+        train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
+                          "--init", str(tmp_path / "ckpt")])  # the default config is the full-size world
 
 
 def test_vae_training_lowers_the_loss():
