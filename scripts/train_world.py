@@ -62,8 +62,9 @@ def main(argv=None):
     step = load_training_state(state_path, gen, model=model, ema=ema, opt=opt, sched=sched)
     if init is not None and step == 0:  # a resumed fine-tune has its weights in the state
         weights = Path(args.init) / "model.safetensors"
+        state = read_state_dict(weights)  # read once: load_weights copies it into each module
         for net in (model, ema):
-            load_weights(net, read_state_dict(weights), str(weights))
+            load_weights(net, state, str(weights))
     first_step = step
     t0, losses = time.time(), []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
