@@ -28,12 +28,39 @@ SHARD_BYTES = 16 * 2**20
 CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,000,000..) seeds
 
 
+def chain_commands(policy: str, train: dict) -> list[str]:
+    """MODEL.md's recipe. The VAE always learns from the exploring policy's episodes; a world
+    model trained on another policy's episodes gets its own data and latents folders."""
+    lines = ["python -m scripts.generate_data        # simulator episodes (exploring policy)",
+             "python -m scripts.train_vae            # diffusers AutoencoderTiny, save_pretrained"]
+    latents = ""
+    if policy == "explore":
+        lines += ["python -m scripts.encode_latents       # latents + measured vae_scale"]
+    else:
+        lines += [f"python -m scripts.generate_data --policy {policy} --out work/data_{policy}   # the world model's episodes",
+                  f"python -m scripts.encode_latents --data work/data_{policy} --out work/latents_{policy}   "
+                  "# latents + measured vae_scale"]
+        latents = f" --latents work/latents_{policy}"
+    runs = train.get("runs") or [{"batch": train["batch"], "to_step": train["steps"]}]
+    for i, r in enumerate(runs):
+        lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['to_step']}   "
+                  + ("# rectified flow + diffusion forcing" if i == 0 else
+                     f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['to_step']} steps")]
+    export = "python -m scripts.export_checkpoint" + (
+        f" --latents work/latents_{policy} --data work/data_{policy}" if policy != "explore" else "")
+    return lines + [f"{export}   # checkpoints/maze-world",
+                    "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
+                    f"{export} --eval eval/maze-world/eval.json   # MODEL.md with the evaluation"]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/maze_world.yaml")
     p.add_argument("--vae", default="work/vae/final")
     p.add_argument("--latents", default="work/latents")
     p.add_argument("--world", default="work/world")
+    p.add_argument("--data", default=None,
+                   help="the world model's episodes, for MODEL.md (default: data/ beside --latents)")
     p.add_argument("--out", default="checkpoints/maze-world")
     p.add_argument("--clips", type=int, default=4)
     p.add_argument("--future", type=int, default=1000)
@@ -75,7 +102,7 @@ def main(argv=None):
         clip.save(clip_dir / f"clip_{i:02d}.safetensors")
 
     vae_metrics = json.loads((Path(args.vae) / "metrics.json").read_text())
-    data_dir = Path(args.latents).parent / "data"
+    data_dir = Path(args.data) if args.data else Path(args.latents).parent / "data"
     manifest = json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").is_file() else {}
     ev = json.loads(Path(args.eval).read_text()) if args.eval else None
     n_params = sum(v.numel() for v in state.values())
@@ -92,24 +119,16 @@ def main(argv=None):
         f"{world.model.sample_size}x{world.model.sample_size} latents, window {world.pipeline.window_frames} frames) "
         "trained from scratch on our maze simulator (owl_wms/simulator.py). Recreate it with:", "",
         "```",
-        "python -m scripts.generate_data        # simulator episodes (exploring policy)",
-        "python -m scripts.train_vae            # diffusers AutoencoderTiny, save_pretrained",
-        "python -m scripts.encode_latents       # latents + measured vae_scale",
-        *[f"python -m scripts.train_world --batch {r['batch']} --steps {r['to_step']}   "
-          + ("# rectified flow + diffusion forcing" if i == 0 else
-             f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['to_step']} steps")
-          for i, r in enumerate(train.get("runs") or [{"batch": train["batch"], "to_step": train["steps"]}])],
-        "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
-        "python -m scripts.export_checkpoint --eval eval/maze-world/eval.json",
+        *chain_commands(manifest.get("policy", "explore"), train),
         "```", "",
         "Every stage is seeded and resumable and takes `--device` (cuda when present). Wall times below are",
         "each stage's last run on the machine named, while other work shared its 2 cores.", "",
         "| figure | value |", "|---|---|",
         f"| machine | {machine()}, torch {torch.__version__} |",
-        f"| data | {manifest.get('episodes', '?')} episodes x {manifest.get('frames', '?')} frames "
-        f"({vae_metrics['train_frames']} training frames for the VAE), {minutes(manifest)} |",
+        f"| data | {manifest.get('episodes', '?')} episodes x {manifest.get('frames', '?')} frames, "
+        f"{manifest.get('policy', 'explore')} policy, {minutes(manifest)} |",
         f"| VAE held-out reconstruction PSNR | {vae_metrics['held_out_psnr_db']:.2f} dB "
-        f"({vae_metrics['steps']} steps, {minutes(vae_metrics)}) |",
+        f"({vae_metrics['steps']} steps on {vae_metrics['train_frames']} frames, {minutes(vae_metrics)}) |",
         f"| encode | vae_scale (latent std) {stats['vae_scale']:.4f}, {minutes(stats)} |",
         f"| world model | {train['steps']} steps x batch {train['batch']} x {train['frames']} frames, final loss "
         f"{train['final_loss']:.4f}, {minutes(train)} |",

@@ -73,7 +73,8 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys):
     export_checkpoint.main(["--config", str(tmp_path / "tiny.yaml"), "--vae", str(chain / "vae" / "final"),
                             "--latents", str(chain / "latents"), "--world", str(tmp_path / "world"),
                             "--out", str(tmp_path / "ckpt"), "--clips", "2", "--future", "20"])
-    assert (tmp_path / "ckpt" / "MODEL.md").read_text().count("|") > 10
+    card = (tmp_path / "ckpt" / "MODEL.md").read_text()
+    assert card.count("|") > 10 and "3 episodes x 24 frames, explore policy" in card
     pipe = CausvidPipeline.from_checkpoint(tmp_path / "ckpt", verbose=False)
     assert pipe.vae_scale == json.loads((chain / "latents" / "stats.json").read_text())["vae_scale"]
     assert len(pipe.clip_paths) == 2 and pipe([0, 0], [1] + [0] * 10)[0].shape == (64, 64, 3)
@@ -108,6 +109,23 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys):
     with pytest.raises(SystemExit, match="holds a model unlike"):
         train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
                           "--init", str(tmp_path / "ckpt")])  # the default config is the full-size world
+
+
+def test_model_card_recipe_follows_the_data_policy():
+    from scripts.export_checkpoint import chain_commands
+
+    runs = {"runs": [{"batch": 4, "from_step": 0, "to_step": 1100}, {"batch": 4, "from_step": 1100, "to_step": 1800}]}
+    explore = chain_commands("explore", runs)
+    assert not any("--policy" in c or "--latents" in c for c in explore)
+    assert [c.split("#")[0].strip() for c in explore if "train_world" in c] == [
+        "python -m scripts.train_world --batch 4 --steps 1100", "python -m scripts.train_world --batch 4 --steps 1800"]
+    lively = chain_commands("lively", runs)
+    # the VAE still learns from the exploring episodes; the world model's data, latents and export follow the policy
+    assert lively[:2] == explore[:2]
+    assert "generate_data --policy lively --out work/data_lively" in lively[2]
+    assert "encode_latents --data work/data_lively --out work/latents_lively" in lively[3]
+    assert all("--latents work/latents_lively" in c for c in lively if "train_world" in c or "export" in c)
+    assert all("--data work/data_lively" in c for c in lively if "export" in c)
 
 
 def test_vae_training_lowers_the_loss():
