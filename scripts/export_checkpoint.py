@@ -109,7 +109,8 @@ def main(argv=None):
 
     def minutes(rec):
         if rec and "seconds_all_runs" in rec:
-            return f"{rec['seconds_all_runs'] / 60:.1f} min in {len(rec['runs'])} runs"
+            n = len(rec["runs"])
+            return f"{rec['seconds_all_runs'] / 60:.1f} min in {n} run{'s' if n > 1 else ''}"
         return f"{rec['seconds_this_run'] / 60:.1f} min" if rec and "seconds_this_run" in rec else "not recorded"
 
     lines = [
