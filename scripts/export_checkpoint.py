@@ -33,21 +33,20 @@ def chain_commands(policy: str, train: dict) -> list[str]:
     model trained on another policy's episodes gets its own data and latents folders."""
     lines = ["python -m scripts.generate_data        # simulator episodes (exploring policy)",
              "python -m scripts.train_vae            # diffusers AutoencoderTiny, save_pretrained"]
-    latents = ""
     if policy == "explore":
         lines += ["python -m scripts.encode_latents       # latents + measured vae_scale"]
+        latents = data = ""
     else:
         lines += [f"python -m scripts.generate_data --policy {policy} --out work/data_{policy}   # the world model's episodes",
                   f"python -m scripts.encode_latents --data work/data_{policy} --out work/latents_{policy}   "
                   "# latents + measured vae_scale"]
-        latents = f" --latents work/latents_{policy}"
+        latents, data = f" --latents work/latents_{policy}", f" --data work/data_{policy}"
     runs = train.get("runs") or [{"batch": train["batch"], "to_step": train["steps"]}]
     for i, r in enumerate(runs):
         lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['to_step']}   "
                   + ("# rectified flow + diffusion forcing" if i == 0 else
                      f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['to_step']} steps")]
-    export = "python -m scripts.export_checkpoint" + (
-        f" --latents work/latents_{policy} --data work/data_{policy}" if policy != "explore" else "")
+    export = f"python -m scripts.export_checkpoint{latents}{data}"
     return lines + [f"{export}   # checkpoints/maze-world",
                     "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
                     f"{export} --eval eval/maze-world/eval.json   # MODEL.md with the evaluation"]
