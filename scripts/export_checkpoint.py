@@ -28,6 +28,17 @@ SHARD_BYTES = 16 * 2**20
 CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,000,000..) seeds
 
 
+def commands(train: dict) -> list[dict]:
+    """The train_world commands behind a run record, each as (from_step, batch, --steps):
+    consecutive runs with the same --steps and --batch are one command, stopped and resumed."""
+    merged = []
+    for r in train.get("runs") or [{"batch": train["batch"], "from_step": 0, "to_step": train["steps"]}]:
+        command = {"from_step": r["from_step"], "batch": r["batch"], "steps": r.get("target", r["to_step"])}
+        if not merged or (merged[-1]["batch"], merged[-1]["steps"]) != (command["batch"], command["steps"]):
+            merged.append(command)
+    return merged
+
+
 def chain_commands(policy: str, train: dict) -> list[str]:
     """MODEL.md's recipe. The VAE always learns from the exploring policy's episodes; a world
     model trained on another policy's episodes gets its own data and latents folders."""
@@ -41,11 +52,10 @@ def chain_commands(policy: str, train: dict) -> list[str]:
                   f"python -m scripts.encode_latents --data work/data_{policy} --out work/latents_{policy}   "
                   "# latents + measured vae_scale"]
         latents, data = f" --latents work/latents_{policy}", f" --data work/data_{policy}"
-    runs = train.get("runs") or [{"batch": train["batch"], "to_step": train["steps"]}]
-    for i, r in enumerate(runs):
-        lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['to_step']}   "
+    for i, r in enumerate(commands(train)):
+        lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['steps']}   "
                   + ("# rectified flow + diffusion forcing" if i == 0 else
-                     f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['to_step']} steps")]
+                     f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['steps']} steps")]
     export = f"python -m scripts.export_checkpoint{latents}{data}"
     return lines + [f"{export}   # checkpoints/maze-world",
                     "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",

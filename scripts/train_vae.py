@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from owl_wms.training import load_training_state, save_training_state, warmup_cosine
+from owl_wms.training import RunLog, load_training_state, save_training_state, warmup_cosine
 from owl_wms.training.vae import build_autoencoder, load_frames, psnr, vae_loss
 from owl_wms.vae import to_unit
 
@@ -49,7 +48,8 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 20)))
     gen = torch.Generator().manual_seed(args.seed)
     state_path = out / "train_state.pt"
-    step = load_training_state(state_path, gen, model=ae, opt=opt, sched=sched)
+    step, runs = load_training_state(state_path, gen, model=ae, opt=opt, sched=sched)
+    clock = RunLog(runs or [], step, args.batch, args.steps)  # a state from before run records: this run's time only
 
     def evaluate():
         ae.eval()
@@ -59,7 +59,6 @@ def main(argv=None):
         ae.train()
         return psnr(rec, x)
 
-    t0 = time.time()
     bar = tqdm(total=args.steps, initial=step, desc="vae", unit="step")
     while step < args.steps:
         idx = torch.randint(0, train.shape[0], (args.batch,), generator=gen)
@@ -74,14 +73,14 @@ def main(argv=None):
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.5f}")
         if step % args.save_every == 0 or step == args.steps:
-            save_training_state(state_path, step, gen, model=ae, opt=opt, sched=sched)
+            save_training_state(state_path, step, gen, clock.runs(step), model=ae, opt=opt, sched=sched)
             bar.write(f"step {step}: held-out PSNR {evaluate():.2f} dB")
     bar.close()
     val_psnr = evaluate()
     ae.save_pretrained(str(out / "final"))
     (out / "final" / "metrics.json").write_text(json.dumps({
         "held_out_psnr_db": val_psnr, "steps": args.steps, "train_frames": int(train.shape[0]),
-        "seconds_this_run": time.time() - t0}, indent=2))
+        **clock.record(args.steps)}, indent=2))
     print(f"held-out reconstruction PSNR {val_psnr:.2f} dB -> {out / 'final'}")
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ from tqdm import tqdm
 
 from owl_wms.config import load_config
 from owl_wms.loading import load_weights, read_state_dict
-from owl_wms.training import load_training_state, save_training_state
+from owl_wms.training import RunLog, load_training_state, save_training_state
 from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
 
@@ -59,14 +58,20 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.pt"
-    step = load_training_state(state_path, gen, model=model, ema=ema, opt=opt, sched=sched)
+    metrics_path = out / "train_metrics.json"
+    step, runs = load_training_state(state_path, gen, model=model, ema=ema, opt=opt, sched=sched)
+    if runs is None:  # a state saved before it kept run records: the finished runs' metrics file
+        runs = [r for r in json.loads(metrics_path.read_text()).get("runs", []) if r["to_step"] <= step] \
+            if metrics_path.is_file() else []
+    # Every invocation is recorded (a resumed run with a larger --steps goes on from the saved
+    # step on the cosine schedule of the new length), so MODEL.md can list each command and its time.
+    clock = RunLog(runs, step, args.batch, args.steps)
     if init is not None and step == 0:  # a resumed fine-tune has its weights in the state
         weights = Path(args.init) / "model.safetensors"
         state = read_state_dict(weights)  # read once: load_weights copies it into each module
         for net in (model, ema):
             load_weights(net, state, str(weights))
-    first_step = step
-    t0, losses = time.time(), []
+    losses = []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
     while step < args.steps:
         x, m, b = data.batch(args.batch, gen)
@@ -79,21 +84,12 @@ def main(argv=None):
         bar.update(1)
         bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
         if step % args.save_every == 0 or step == args.steps:
-            save_training_state(state_path, step, gen, model=model, ema=ema, opt=opt, sched=sched)
+            save_training_state(state_path, step, gen, clock.runs(step), model=model, ema=ema, opt=opt, sched=sched)
     bar.close()
     torch.save(ema.core.state_dict(), out / "ema_core.pt")
-    # Every invocation is recorded (a resumed run with a larger --steps goes on from the saved
-    # step on the cosine schedule of the new length), so MODEL.md can list each command and its time.
-    metrics_path = out / "train_metrics.json"
-    before = json.loads(metrics_path.read_text()) if metrics_path.is_file() and first_step else {}
-    runs = before.get("runs", [])
-    if not runs and before.get("steps") == first_step and "seconds_this_run" in before:  # a record from before "runs"
-        runs = [{"from_step": 0, "to_step": first_step, "batch": before["batch"], "seconds": before["seconds_this_run"]}]
-    runs.append({"from_step": first_step, "to_step": args.steps, "batch": args.batch, "seconds": time.time() - t0})
     metrics_path.write_text(json.dumps({
         "steps": args.steps, "batch": args.batch, "frames": frames, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-        "seconds_this_run": time.time() - t0, "seconds_all_runs": sum(r["seconds"] for r in runs), "runs": runs,
-        "vae_scale": vae_scale, "init": args.init}, indent=2))
+        **clock.record(args.steps), "vae_scale": vae_scale, "init": args.init}, indent=2))
     print(f"trained {args.steps} steps; EMA weights -> {out / 'ema_core.pt'}")
 
 

@@ -49,7 +49,7 @@ def test_stages_resume(chain, capsys):
                             "--policy", "lively"])
 
 
-def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys):
+def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypatch):
     from scripts import train_world
 
     text = (REPO / "configs" / "maze_world.yaml").read_text()
@@ -63,6 +63,26 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys):
     assert "resumed at step 2" in capsys.readouterr().out
     runs = json.loads((tmp_path / "world" / "train_metrics.json").read_text())["runs"]
     assert [(r["from_step"], r["to_step"]) for r in runs] == [(0, 2), (2, 3)]
+    # Ctrl-C after the save at step 4 of a --steps 5 run: the next run resumes there, and the
+    # record keeps the stopped run's time up to that save
+    calls, train_step = [], train_world.train_step
+
+    def stopped_at_second_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_world, "train_step", stopped_at_second_step)
+    with pytest.raises(KeyboardInterrupt):
+        train_world.main(common + ["--steps", "5", "--save-every", "1"])
+    monkeypatch.undo()
+    train_world.main(common + ["--steps", "5"])
+    assert "resumed at step 4" in capsys.readouterr().out
+    record = json.loads((tmp_path / "world" / "train_metrics.json").read_text())
+    assert [(r["from_step"], r["to_step"], r["target"]) for r in record["runs"][2:]] == [(3, 4, 5), (4, 5, 5)]
+    assert record["seconds_all_runs"] == pytest.approx(sum(r["seconds"] for r in record["runs"]))
+    assert record["runs"][2]["seconds"] > 0
     state = torch.load(tmp_path / "world" / "ema_core.pt", weights_only=True)
     assert "proj_in.weight" in state
 
@@ -119,6 +139,11 @@ def test_model_card_recipe_follows_the_data_policy():
     assert not any("--policy" in c or "--latents" in c for c in explore)
     assert [c.split("#")[0].strip() for c in explore if "train_world" in c] == [
         "python -m scripts.train_world --batch 4 --steps 1100", "python -m scripts.train_world --batch 4 --steps 1800"]
+    # a run stopped and resumed with the same --steps is one command
+    stopped = {"runs": [{"batch": 4, "from_step": 0, "to_step": 1100, "target": 1100},
+                        {"batch": 4, "from_step": 1100, "to_step": 1250, "target": 1800},
+                        {"batch": 4, "from_step": 1250, "to_step": 1800, "target": 1800}]}
+    assert chain_commands("explore", stopped) == explore
     lively = chain_commands("lively", runs)
     # the VAE still learns from the exploring episodes; the world model's data, latents and export follow the policy
     assert lively[:2] == explore[:2]

@@ -1,5 +1,6 @@
 """Training code for our own world: autoencoder and GameRFT."""
 import math
+import time
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int):
@@ -12,25 +13,48 @@ def warmup_cosine(total_steps: int, warmup_steps: int):
     return factor
 
 
-def save_training_state(path, step: int, generator, **parts) -> None:
+class RunLog:
+    """Wall time of a resumable stage over all its invocations: one record per run (from_step,
+    to_step reached, batch, target: the run's --steps, seconds). It is saved with the training
+    state, so a run stopped between saves still counts up to its last save (the next run redoes,
+    and times, the steps after it)."""
+
+    def __init__(self, runs: list[dict], step: int, batch: int, target: int):
+        self.done, self.t0 = [dict(r) for r in runs], time.time()
+        self.now = {"from_step": step, "batch": batch, "target": target}
+
+    def runs(self, step: int) -> list[dict]:
+        """Every run so far, this one up to ``step``."""
+        return self.done + [{**self.now, "to_step": step, "seconds": time.time() - self.t0}]
+
+    def record(self, step: int) -> dict:
+        """What a stage's metrics file says about its time."""
+        runs = self.runs(step)
+        return {"seconds_this_run": runs[-1]["seconds"], "seconds_all_runs": sum(r["seconds"] for r in runs),
+                "runs": runs}
+
+
+def save_training_state(path, step: int, generator, runs: list[dict] | None = None, **parts) -> None:
     """Save ``parts`` (modules, optimizers, schedulers: anything with ``state_dict``), the
-    step and the data generator's state, so a stopped run resumes where it was."""
+    step, the data generator's state and the ``RunLog`` records, so a stopped run resumes
+    where it was."""
     import torch
 
-    torch.save({"step": step, "gen": generator.get_state(),
+    torch.save({"step": step, "gen": generator.get_state(), "runs": runs or [],
                 **{name: part.state_dict() for name, part in parts.items()}}, path)
 
 
-def load_training_state(path, generator, **parts) -> int:
-    """Restore what ``save_training_state`` wrote (if ``path`` exists); returns the step."""
+def load_training_state(path, generator, **parts) -> tuple[int, list[dict] | None]:
+    """Restore what ``save_training_state`` wrote (if ``path`` exists): (the step, its run
+    records; None from a state saved before they were kept)."""
     import torch
     from pathlib import Path
 
     if not Path(path).exists():
-        return 0
+        return 0, []
     state = torch.load(path, weights_only=True)
     for name, part in parts.items():
         part.load_state_dict(state[name])
     generator.set_state(state["gen"])
     print(f"resumed at step {int(state['step'])}")
-    return int(state["step"])
+    return int(state["step"]), state.get("runs")
