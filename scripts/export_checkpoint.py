@@ -39,11 +39,11 @@ def commands(train: dict) -> list[dict]:
     return merged
 
 
-def chain_commands(policy: str, train: dict) -> list[str]:
+def chain_commands(policy: str, train: dict, vae_steps: int) -> list[str]:
     """MODEL.md's recipe. The VAE always learns from the exploring policy's episodes; a world
     model trained on another policy's episodes gets its own data and latents folders."""
     lines = ["python -m scripts.generate_data        # simulator episodes (exploring policy)",
-             "python -m scripts.train_vae            # diffusers AutoencoderTiny, save_pretrained"]
+             f"python -m scripts.train_vae --steps {vae_steps}   # diffusers AutoencoderTiny, save_pretrained"]
     if policy == "explore":
         lines += ["python -m scripts.encode_latents       # latents + measured vae_scale"]
         latents = data = ""
@@ -129,7 +129,7 @@ def main(argv=None):
         f"{world.model.sample_size}x{world.model.sample_size} latents, window {world.pipeline.window_frames} frames) "
         "trained from scratch on our maze simulator (owl_wms/simulator.py). Recreate it with:", "",
         "```",
-        *chain_commands(manifest.get("policy", "explore"), train),
+        *chain_commands(manifest.get("policy", "explore"), train, vae_metrics["steps"]),
         "```", "",
         "Every stage is seeded and resumable and takes `--device` (cuda when present). Wall times below are",
         "each stage's last run on the machine named, while other work shared its 2 cores.", "",

@@ -1,5 +1,6 @@
 """Smoke tests of the training chain on tiny settings: every stage runs, resumes, and learns."""
 import json
+import re
 
 import pytest
 import torch
@@ -95,6 +96,8 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
                             "--out", str(tmp_path / "ckpt"), "--clips", "2", "--future", "20"])
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
     assert card.count("|") > 10 and "3 episodes x 24 frames, explore policy" in card
+    vae_steps = json.loads((chain / "vae" / "final" / "metrics.json").read_text())["steps"]
+    assert f"python -m scripts.train_vae --steps {vae_steps} " in card  # the recipe makes this VAE
     pipe = CausvidPipeline.from_checkpoint(tmp_path / "ckpt", verbose=False)
     assert pipe.vae_scale == json.loads((chain / "latents" / "stats.json").read_text())["vae_scale"]
     assert len(pipe.clip_paths) == 2 and pipe([0, 0], [1] + [0] * 10)[0].shape == (64, 64, 3)
@@ -135,16 +138,17 @@ def test_model_card_recipe_follows_the_data_policy():
     from scripts.export_checkpoint import chain_commands
 
     runs = {"runs": [{"batch": 4, "from_step": 0, "to_step": 1100}, {"batch": 4, "from_step": 1100, "to_step": 1800}]}
-    explore = chain_commands("explore", runs)
+    explore = chain_commands("explore", runs, 5000)
     assert not any("--policy" in c or "--latents" in c for c in explore)
+    assert explore[1].split("#")[0].strip() == "python -m scripts.train_vae --steps 5000"  # the VAE's own steps
     assert [c.split("#")[0].strip() for c in explore if "train_world" in c] == [
         "python -m scripts.train_world --batch 4 --steps 1100", "python -m scripts.train_world --batch 4 --steps 1800"]
     # a run stopped and resumed with the same --steps is one command
     stopped = {"runs": [{"batch": 4, "from_step": 0, "to_step": 1100, "target": 1100},
                         {"batch": 4, "from_step": 1100, "to_step": 1250, "target": 1800},
                         {"batch": 4, "from_step": 1250, "to_step": 1800, "target": 1800}]}
-    assert chain_commands("explore", stopped) == explore
-    lively = chain_commands("lively", runs)
+    assert chain_commands("explore", stopped, 5000) == explore
+    lively = chain_commands("lively", runs, 5000)
     # the VAE still learns from the exploring episodes; the world model's data, latents and export follow the policy
     assert lively[:2] == explore[:2]
     assert "generate_data --policy lively --out work/data_lively" in lively[2]
@@ -194,3 +198,12 @@ def test_pipeline_shaped_times():
     assert bool((t[:, :-1] == 0.25).all()) and set(t[:, -1].tolist()) <= {1.0, 0.25}
     t = sample_times(64, 5, g, 0.0, 0.25, (1.0, 0.25, 0.0))
     assert 0 < t.min() and t.max() < 1 and t.std() > 0.1
+
+
+def test_shipped_recipe_trains_the_shipped_vae():
+    """MODEL.md's and the README's VAE command ask for the steps the shipped VAE was trained with
+    (the script's default differs)."""
+    card = (REPO / "checkpoints" / "maze-world" / "MODEL.md").read_text()
+    steps = re.search(r"VAE held-out reconstruction PSNR \| [\d.]+ dB \((\d+) steps", card).group(1)
+    for text in (card, (REPO / "README.md").read_text()):
+        assert re.findall(r"python -m scripts\.train_vae( --steps \d+)?", text)[0] == f" --steps {steps}"
