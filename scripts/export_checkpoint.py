@@ -28,7 +28,7 @@ SHARD_BYTES = 16 * 2**20
 CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,000,000..) seeds
 
 
-def commands(train: dict) -> list[dict]:
+def train_world_commands(train: dict) -> list[dict]:
     """The train_world commands behind a run record, each as (from_step, batch, --steps):
     consecutive runs with the same --steps and --batch are one command, stopped and resumed."""
     merged = []
@@ -52,7 +52,7 @@ def chain_commands(policy: str, train: dict, vae_steps: int) -> list[str]:
                   f"python -m scripts.encode_latents --data work/data_{policy} --out work/latents_{policy}   "
                   "# latents + measured vae_scale"]
         latents, data = f" --latents work/latents_{policy}", f" --data work/data_{policy}"
-    for i, r in enumerate(commands(train)):
+    for i, r in enumerate(train_world_commands(train)):
         lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['steps']}   "
                   + ("# rectified flow + diffusion forcing" if i == 0 else
                      f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['steps']} steps")]
@@ -132,7 +132,8 @@ def main(argv=None):
         *chain_commands(manifest.get("policy", "explore"), train, vae_metrics["steps"]),
         "```", "",
         "Every stage is seeded and resumable and takes `--device` (cuda when present). Wall times below are",
-        "each stage's last run on the machine named, while other work shared its 2 cores.", "",
+        "each stage's runs on the machine named (all of them for a stage stopped and resumed), while other",
+        "work shared its 2 cores.", "",
         "| figure | value |", "|---|---|",
         f"| machine | {machine()}, torch {torch.__version__} |",
         f"| data | {manifest.get('episodes', '?')} episodes x {manifest.get('frames', '?')} frames, "

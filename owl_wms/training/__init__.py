@@ -34,13 +34,13 @@ class RunLog:
                 "runs": runs}
 
 
-def save_training_state(path, step: int, generator, runs: list[dict] | None = None, **parts) -> None:
+def save_training_state(path, step: int, generator, runs: list[dict], **parts) -> None:
     """Save ``parts`` (modules, optimizers, schedulers: anything with ``state_dict``), the
     step, the data generator's state and the ``RunLog`` records, so a stopped run resumes
     where it was."""
     import torch
 
-    torch.save({"step": step, "gen": generator.get_state(), "runs": runs or [],
+    torch.save({"step": step, "gen": generator.get_state(), "runs": runs,
                 **{name: part.state_dict() for name, part in parts.items()}}, path)
 
 
