@@ -39,11 +39,45 @@ def train_world_commands(train: dict) -> list[dict]:
     return merged
 
 
-def chain_commands(policy: str, train: dict, vae_steps: int) -> list[str]:
+def vae_commands(vae: dict) -> tuple[list[str], str]:
+    """The train_vae commands behind a VAE's metrics, and the folder export takes: a plain run,
+    or a run whose decoder was then fine-tuned (``--init ... --decoder-only``)."""
+    base = vae.get("base") if vae.get("init") else vae
+    if base is None:
+        raise SystemExit(f"the VAE was fine-tuned from {vae['init']!r}, whose folder has no metrics.json: "
+                         "MODEL.md cannot say how that VAE was trained")
+    lines = [f"python -m scripts.train_vae --steps {base['steps']}   # diffusers AutoencoderTiny, save_pretrained"]
+    if not vae.get("init"):
+        return lines, "work/vae/final"
+    only = " --decoder-only" if vae.get("decoder_only") else ""
+    return lines + [f"python -m scripts.train_vae --init work/vae/final{only} --out work/vae_decoder --steps "
+                    f"{vae['steps']} --lr {vae['lr']:g}   # sharper decoder; encoder and latents unchanged"], \
+        "work/vae_decoder/final"
+
+
+def minutes(rec: dict | None) -> str:
+    """A stage's recorded wall time (all its runs, if it was stopped and resumed)."""
+    if rec and "seconds_all_runs" in rec:
+        n = len(rec["runs"])
+        return f"{rec['seconds_all_runs'] / 60:.1f} min in {n} run{'s' if n > 1 else ''}"
+    return f"{rec['seconds_this_run'] / 60:.1f} min" if rec and "seconds_this_run" in rec else "not recorded"
+
+
+def vae_row(vae: dict) -> str:
+    """MODEL.md's account of the VAE's training: steps, frames and time of each run."""
+    base = vae.get("base") if vae.get("init") else vae
+    text = f"{base['steps']} steps on {base['train_frames']} frames, {minutes(base)}"
+    if vae.get("init"):
+        text += (f"; then {vae['steps']} steps of decoder-only fine-tuning, {minutes(vae)}, "
+                 f"from {base['held_out_psnr_db']:.2f} dB")
+    return text
+
+
+def chain_commands(policy: str, train: dict, vae: dict) -> list[str]:
     """MODEL.md's recipe. The VAE always learns from the exploring policy's episodes; a world
     model trained on another policy's episodes gets its own data and latents folders."""
-    lines = ["python -m scripts.generate_data        # simulator episodes (exploring policy)",
-             f"python -m scripts.train_vae --steps {vae_steps}   # diffusers AutoencoderTiny, save_pretrained"]
+    vae_lines, vae_dir = vae_commands(vae)
+    lines = ["python -m scripts.generate_data        # simulator episodes (exploring policy)", *vae_lines]
     if policy == "explore":
         lines += ["python -m scripts.encode_latents       # latents + measured vae_scale"]
         latents = data = ""
@@ -56,7 +90,8 @@ def chain_commands(policy: str, train: dict, vae_steps: int) -> list[str]:
         lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['steps']}   "
                   + ("# rectified flow + diffusion forcing" if i == 0 else
                      f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['steps']} steps")]
-    export = f"python -m scripts.export_checkpoint{latents}{data}"
+    export = f"python -m scripts.export_checkpoint{latents}{data}" + \
+        ("" if vae_dir == "work/vae/final" else f" --vae {vae_dir}")
     return lines + [f"{export}   # checkpoints/maze-world",
                     "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
                     f"{export} --eval eval/maze-world/eval.json   # MODEL.md with the evaluation"]
@@ -116,12 +151,6 @@ def main(argv=None):
     ev = json.loads(Path(args.eval).read_text()) if args.eval else None
     n_params = sum(v.numel() for v in state.values())
 
-    def minutes(rec):
-        if rec and "seconds_all_runs" in rec:
-            n = len(rec["runs"])
-            return f"{rec['seconds_all_runs'] / 60:.1f} min in {n} run{'s' if n > 1 else ''}"
-        return f"{rec['seconds_this_run'] / 60:.1f} min" if rec and "seconds_this_run" in rec else "not recorded"
-
     lines = [
         f"# {world.name}", "",
         f"A GameRFT world model ({n_params / 1e6:.1f}M parameters, {world.model.n_layers} layers, d_model "
@@ -129,7 +158,7 @@ def main(argv=None):
         f"{world.model.sample_size}x{world.model.sample_size} latents, window {world.pipeline.window_frames} frames) "
         "trained from scratch on our maze simulator (owl_wms/simulator.py). Recreate it with:", "",
         "```",
-        *chain_commands(manifest.get("policy", "explore"), train, vae_metrics["steps"]),
+        *chain_commands(manifest.get("policy", "explore"), train, vae_metrics),
         "```", "",
         "Every stage is seeded and resumable and takes `--device` (cuda when present). Wall times below are",
         "each stage's runs on the machine named (all of them for a stage stopped and resumed), while other",
@@ -139,7 +168,7 @@ def main(argv=None):
         f"| data | {manifest.get('episodes', '?')} episodes x {manifest.get('frames', '?')} frames, "
         f"{manifest.get('policy', 'explore')} policy, {minutes(manifest)} |",
         f"| VAE held-out reconstruction PSNR | {vae_metrics['held_out_psnr_db']:.2f} dB "
-        f"({vae_metrics['steps']} steps on {vae_metrics['train_frames']} frames, {minutes(vae_metrics)}) |",
+        f"({vae_row(vae_metrics)}) |",
         f"| encode | vae_scale (latent std) {stats['vae_scale']:.4f}, {minutes(stats)} |",
         f"| world model | {train['steps']} steps x batch {train['batch']} x {train['frames']} frames, final loss "
         f"{train['final_loss']:.4f}, {minutes(train)} |",

@@ -1,6 +1,11 @@
 """Stage 2: train the frame autoencoder (diffusers AutoencoderTiny) on simulator frames.
 
     python -m scripts.train_vae --data work/data --out work/vae [--steps 6000] [--device cpu]
+    python -m scripts.train_vae --init work/vae/final --decoder-only --out work/vae_dec --steps 3000
+
+--decoder-only fine-tunes the decoder of a trained autoencoder with its encoder frozen (as
+Stable Diffusion's ft-MSE VAE was made): the latents do not change, so a world model trained
+on them keeps working with the sharper decoder.
 
 Resumable: a training state (weights, optimizer, step, RNG) is saved every --save-every
 steps and picked up on restart. The last episodes are held out; their reconstruction PSNR
@@ -16,8 +21,14 @@ import torch
 from tqdm import tqdm
 
 from owl_wms.training import RunLog, load_training_state, save_training_state, warmup_cosine
-from owl_wms.training.vae import build_autoencoder, load_frames, psnr, vae_loss
+from owl_wms.training.vae import build_autoencoder, load_autoencoder, load_frames, psnr, vae_loss
 from owl_wms.vae import to_unit
+
+
+def base_metrics(folder: str) -> dict | None:
+    """The metrics of the run that made an --init autoencoder (None if its folder has none)."""
+    path = Path(folder) / "metrics.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def main(argv=None):
@@ -29,6 +40,10 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--channels", type=int, default=32, help="latent channels (must match model.channels of the world config)")
     p.add_argument("--width", type=int, default=32, help="channels of every encoder/decoder stage")
+    p.add_argument("--init", default=None,
+                   help="start from this save_pretrained folder (its architecture; --channels/--width unused)")
+    p.add_argument("--decoder-only", action="store_true",
+                   help="freeze the encoder, train the decoder (needs --init): the latents stay the same")
     p.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 autocast, ~2x faster on CPU)")
     p.add_argument("--held-out", type=int, default=4, help="episodes kept for validation")
     p.add_argument("--save-every", type=int, default=500)
@@ -42,9 +57,14 @@ def main(argv=None):
     frames = load_frames(args.data)
     per_ep = frames.shape[0] // len(list(Path(args.data).glob("ep_*.safetensors")))
     train, val = frames[: -args.held_out * per_ep], frames[-args.held_out * per_ep:][::8]
-    ae = build_autoencoder(args.channels, args.width).to(args.device, memory_format=torch.channels_last)
+    if args.decoder_only and not args.init:
+        p.error("--decoder-only fine-tunes a trained autoencoder: give its save_pretrained folder with --init")
+    ae = load_autoencoder(args.init) if args.init else build_autoencoder(args.channels, args.width)
+    ae = ae.to(args.device, memory_format=torch.channels_last)
+    if args.decoder_only:
+        ae.encoder.requires_grad_(False)  # no graph through it: the loss's encode is inference only
     device_type = torch.device(args.device).type
-    opt = torch.optim.AdamW(ae.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([q for q in ae.parameters() if q.requires_grad], lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 20)))
     gen = torch.Generator().manual_seed(args.seed)
     state_path = out / "train_state.pt"
@@ -80,6 +100,8 @@ def main(argv=None):
     ae.save_pretrained(str(out / "final"))
     (out / "final" / "metrics.json").write_text(json.dumps({
         "held_out_psnr_db": val_psnr, "steps": args.steps, "train_frames": int(train.shape[0]),
+        **({"init": args.init, "decoder_only": args.decoder_only, "lr": args.lr, "base": base_metrics(args.init)}
+           if args.init else {}),
         **clock.record(args.steps)}, indent=2))
     print(f"held-out reconstruction PSNR {val_psnr:.2f} dB -> {out / 'final'}")
 

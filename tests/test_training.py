@@ -50,6 +50,33 @@ def test_stages_resume(chain, capsys):
                             "--policy", "lively"])
 
 
+def test_decoder_only_fine_tune_keeps_the_encoder(chain, tmp_path):
+    """--init ... --decoder-only trains the decoder alone: the encoder, and so the latents a world
+    model learned from, stay bit-identical; the metrics keep the base run's for MODEL.md."""
+    from owl_wms.training.vae import load_autoencoder
+    from scripts import train_vae
+    from scripts.export_checkpoint import chain_commands
+
+    base = chain / "vae" / "final"
+    args = ["--data", str(chain / "data"), "--init", str(base), "--batch", "4", "--held-out", "1"]
+    with pytest.raises(SystemExit):
+        train_vae.main(args[:2] + ["--out", str(tmp_path / "x"), "--decoder-only", "--steps", "2"])  # no --init
+    train_vae.main(args + ["--decoder-only", "--out", str(tmp_path / "dec"), "--steps", "3", "--lr", "3e-3"])
+    before, after = load_autoencoder(base).state_dict(), load_autoencoder(tmp_path / "dec" / "final").state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("encoder."))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
+    metrics = json.loads((tmp_path / "dec" / "final" / "metrics.json").read_text())
+    assert metrics["decoder_only"] and metrics["base"] == json.loads((base / "metrics.json").read_text())
+    recipe = chain_commands("explore", {"batch": 4, "steps": 8}, metrics)
+    assert recipe[1].split("#")[0].strip() == f"python -m scripts.train_vae --steps {metrics['base']['steps']}"
+    assert recipe[2].split("#")[0].strip() == ("python -m scripts.train_vae --init work/vae/final --decoder-only "
+                                               "--out work/vae_decoder --steps 3 --lr 0.003")
+    assert all("--vae work/vae_decoder/final" in c for c in recipe if "export_checkpoint" in c)
+    with pytest.raises(SystemExit, match="no metrics.json"):
+        chain_commands("explore", {"batch": 4, "steps": 8}, {**metrics, "base": None})
+
+
 def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypatch):
     from scripts import train_world
 
@@ -138,7 +165,7 @@ def test_model_card_recipe_follows_the_data_policy():
     from scripts.export_checkpoint import chain_commands
 
     runs = {"runs": [{"batch": 4, "from_step": 0, "to_step": 1100}, {"batch": 4, "from_step": 1100, "to_step": 1800}]}
-    explore = chain_commands("explore", runs, 5000)
+    explore = chain_commands("explore", runs, {"steps": 5000})
     assert not any("--policy" in c or "--latents" in c for c in explore)
     assert explore[1].split("#")[0].strip() == "python -m scripts.train_vae --steps 5000"  # the VAE's own steps
     assert [c.split("#")[0].strip() for c in explore if "train_world" in c] == [
@@ -147,8 +174,8 @@ def test_model_card_recipe_follows_the_data_policy():
     stopped = {"runs": [{"batch": 4, "from_step": 0, "to_step": 1100, "target": 1100},
                         {"batch": 4, "from_step": 1100, "to_step": 1250, "target": 1800},
                         {"batch": 4, "from_step": 1250, "to_step": 1800, "target": 1800}]}
-    assert chain_commands("explore", stopped, 5000) == explore
-    lively = chain_commands("lively", runs, 5000)
+    assert chain_commands("explore", stopped, {"steps": 5000}) == explore
+    lively = chain_commands("lively", runs, {"steps": 5000})
     # the VAE still learns from the exploring episodes; the world model's data, latents and export follow the policy
     assert lively[:2] == explore[:2]
     assert "generate_data --policy lively --out work/data_lively" in lively[2]
@@ -204,6 +231,10 @@ def test_shipped_recipe_trains_the_shipped_vae():
     """MODEL.md's and the README's VAE command ask for the steps the shipped VAE was trained with
     (the script's default differs)."""
     card = (REPO / "checkpoints" / "maze-world" / "MODEL.md").read_text()
-    steps = re.search(r"VAE held-out reconstruction PSNR \| [\d.]+ dB \((\d+) steps", card).group(1)
+    steps, rest = re.search(r"VAE held-out reconstruction PSNR \| [\d.]+ dB \((\d+) steps([^|]*)", card).groups()
+    decoder_steps = re.search(r"then (\d+) steps of decoder-only fine-tuning", rest)
     for text in (card, (REPO / "README.md").read_text()):
-        assert re.findall(r"python -m scripts\.train_vae( --steps \d+)?", text)[0] == f" --steps {steps}"
+        commands = re.findall(r"python -m scripts\.train_vae([^#\n]*)", text)
+        assert commands[0].strip() == f"--steps {steps}"
+        if decoder_steps:
+            assert "--decoder-only" in commands[1] and f"--steps {decoder_steps.group(1)} " in commands[1]

@@ -29,6 +29,14 @@ def build_autoencoder(latent_channels: int, width: int = 64) -> AutoencoderTiny:
                            num_decoder_blocks=(2, 2, 2, 1))
 
 
+def load_autoencoder(folder: str | Path) -> AutoencoderTiny:
+    """A trained autoencoder from its save_pretrained folder, to continue or fine-tune it."""
+    if not (Path(folder) / "config.json").is_file():
+        raise FileNotFoundError(f"--init {str(folder)!r} is not a save_pretrained folder (no config.json); "
+                                "give the final/ folder that scripts.train_vae wrote")
+    return AutoencoderTiny.from_pretrained(str(folder), local_files_only=True)
+
+
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     """PSNR in dB of images in [-1, 1] (peak-to-peak 2)."""
     mse = F.mse_loss(a.float().clamp(-1, 1), b.float().clamp(-1, 1)).item()
