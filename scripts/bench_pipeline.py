@@ -2,9 +2,11 @@
 
     python -m scripts.bench_pipeline [--frames 32] [--prod-window 8] [--device cpu] [--skip-prod]
 
-Two rows measured in one run: the shipped default world (denoise + decode), and the
+Rows measured in one run: the shipped default world (denoise + decode), and the
 production-size GameRFT (16 layers, d_model 1536, 24 heads, 64 tokens/frame, random
 weights, bf16) with a reduced window (denoise only: no production decoder ships here).
+Then each one's prefill (a window of history in one model call), with SDPA in query chunks
+(the default) and as one masked call per layer, alternating.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import time
 import torch
 
 from inference.causvid_pipeline import CausvidPipeline
+from owl_wms import attention
+from owl_wms.attention import query_chunk_tokens
 from owl_wms.config import ModelConfig, PipelineConfig, WorldConfig, DecoderConfig
 from owl_wms.model import GameRFT
 from owl_wms.settings import Settings
@@ -58,12 +62,31 @@ def row(name: str, times: list[float], **extra) -> dict:
             "p95_ms": sorted(times)[int(0.95 * (len(times) - 1))] * 1000, **extra}
 
 
+def prefill_rows(name: str, prefill, rounds: int, sync) -> list[dict]:
+    """Prefill time with SDPA in query chunks and as one masked call, alternating (after one
+    warm-up call of each), and the second's median ratio to the first."""
+    variants = {"query chunks": attention.QUERY_CHUNK_TOKENS, "one masked call": 0}
+    times = {label: [] for label in variants}
+    for i in range(rounds + 1):
+        for label, tokens in variants.items():
+            with query_chunk_tokens(tokens):
+                t0 = time.perf_counter()
+                prefill()
+                sync()
+                if i:
+                    times[label].append(time.perf_counter() - t0)
+    ratio = statistics.median(b / a for a, b in zip(times["query chunks"], times["one masked call"]))
+    return [row(f"{name} prefill, {label}", t, **({"one_call_over_chunks": ratio} if label != "query chunks" else {}))
+            for label, t in times.items()]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prod-window", type=int, default=8, help="window (frames) of the production-size run")
     p.add_argument("--prod-frames", type=int, default=8)
+    p.add_argument("--prefill-rounds", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex"])
     p.add_argument("--compile", action="store_true")
@@ -84,6 +107,8 @@ def main(argv=None):
                     timed(lambda: pipe(*walk), args.frames, args.warmup, sync)))
     rows.append(row(f"default ({pipe.world.name}, window {pipe.window}) denoise only",
                     timed(lambda: pipe.generate(*walk), args.frames, args.warmup, sync)))
+    rows += prefill_rows(f"default ({pipe.world.name}, window {pipe.window})", lambda: pipe.load_clip(0),
+                         args.prefill_rounds, sync)
 
     if not args.skip_prod:
         cfg = ModelConfig.from_mapping(PRODUCTION)
@@ -101,16 +126,17 @@ def main(argv=None):
         prod = CausvidPipeline(model, None, world, settings, verbose=False)
         c, s = cfg.channels, cfg.sample_size
         w = args.prod_window
-        t0 = time.perf_counter()
-        prod.prefill(torch.randn(w, c, s, s), torch.zeros(w, 2), torch.zeros(w, 11))
-        sync()
-        prefill_s = time.perf_counter() - t0
+        history = (torch.randn(w, c, s, s), torch.zeros(w, 2), torch.zeros(w, 11))
+        prod.prefill(*history)
         rows.append(row(f"production-size ({params / 1e6:.0f}M params, window {w}) denoise only",
-                        timed(lambda: prod.generate(*walk), args.prod_frames, 1, sync), prefill_s=prefill_s))
+                        timed(lambda: prod.generate(*walk), args.prod_frames, 1, sync)))
+        rows += prefill_rows(f"production-size (window {w})", lambda: prod.prefill(*history), args.prefill_rounds,
+                             sync)
 
-    print(f"\n{'config':<62} {'FPS':>8} {'median ms':>10} {'p95 ms':>8}")
+    print(f"\n{'config':<72} {'FPS':>8} {'median ms':>10} {'p95 ms':>8}")
     for r in rows:
-        print(f"{r['config']:<62} {r['fps']:>8.2f} {r['median_ms']:>10.1f} {r['p95_ms']:>8.1f}")
+        ratio = f"  (one call / chunks: {r['one_call_over_chunks']:.2f}x)" if "one_call_over_chunks" in r else ""
+        print(f"{r['config']:<72} {r['fps']:>8.2f} {r['median_ms']:>10.1f} {r['p95_ms']:>8.1f}{ratio}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "machine": machine(), "rows": rows}, f, indent=2)

@@ -1,21 +1,24 @@
-"""Seconds per world-model training step, eager against ``--compile``, measured in one run.
+"""Seconds per world-model training step: eager, ``--compile``, and eager with attention as
+one masked SDPA call per layer (the reference for the chunked attention), measured in one run.
 
     python -m scripts.bench_train [--config configs/maze_world.yaml] [--batch 4] [--steps 10]
 
 The step is train_world's own (``owl_wms.training.world.train_step``: bf16 autocast,
 rectified-flow loss, clipped AdamW, schedule, EMA) on random latents of the config's shape,
-so it runs on a fresh clone. Eager and compiled steps alternate, so drift in the machine's
-speed touches both sides of each ratio; the first step (with the compile) is reported apart
-from the steady-state medians.
+so it runs on a fresh clone. The variants' steps alternate, so drift in the machine's speed
+touches every side of each ratio; the first step (with the compile) is reported apart from
+the steady-state medians.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
+from owl_wms.attention import query_chunk_tokens
 from owl_wms.config import load_config
 from owl_wms.training.world import sample_times, train_step, world_trainer
 
@@ -25,9 +28,9 @@ from .bench_pipeline import machine
 class Trainer:
     """train_world's model, optimiser and step, on random latents of the config's shape."""
 
-    def __init__(self, world, batch: int, compiled: bool):
+    def __init__(self, world, batch: int, compiled: bool, dense: bool = False):
         torch.manual_seed(0)
-        self.world, self.batch = world, batch
+        self.world, self.batch, self.dense = world, batch, dense
         self.model, self.ema, self.opt, self.sched = world_trainer(world.model, 6e-4, 1000, compile=compiled)
         self.gen = torch.Generator().manual_seed(0)
 
@@ -37,7 +40,8 @@ class Trainer:
         x = torch.randn(b, n, m.channels, m.sample_size, m.sample_size, generator=gen)
         mouse, buttons = torch.randn(b, n, 2, generator=gen), (torch.rand(b, n, m.n_buttons, generator=gen) < 0.2)
         t = sample_times(b, n, gen, 0.5, self.world.pipeline.history_alpha, self.world.pipeline.schedule)
-        train_step(self.model, self.ema, self.opt, self.sched, x, mouse, buttons.float(), t, gen, 0.995).item()
+        with query_chunk_tokens(0) if self.dense else contextlib.nullcontext():
+            train_step(self.model, self.ema, self.opt, self.sched, x, mouse, buttons.float(), t, gen, 0.995).item()
         return time.perf_counter() - t0
 
 
@@ -52,16 +56,19 @@ def main(argv=None):
     world = load_config(args.config)
     print(f"torch {torch.__version__}; machine: {machine()}; {args.config}, batch {args.batch} x "
           f"{world.pipeline.window_frames} frames")
-    eager, compiled = Trainer(world, args.batch, False), Trainer(world, args.batch, True)
-    first = (eager.step(), compiled.step())  # the compiled one includes compiling
+    variants = {"eager": Trainer(world, args.batch, False), "compiled": Trainer(world, args.batch, True),
+                "eager, one masked attention call": Trainer(world, args.batch, False, dense=True)}
+    first = {name: tr.step() for name, tr in variants.items()}  # the compiled one includes compiling
     for _ in range(2):
-        eager.step(), compiled.step()
-    pairs = [(eager.step(), compiled.step()) for _ in range(args.steps - 3)]  # alternating: drift hits both
-    print(f"first step: eager {first[0]:.1f} s, compiled {first[1]:.1f} s (with the compile)")
-    print(f"median s/step: eager {statistics.median(e for e, _ in pairs):.3f}, "
-          f"compiled {statistics.median(c for _, c in pairs):.3f}")
-    print(f"compiled / eager step time (median of alternating pairs): "
-          f"{statistics.median(c / e for e, c in pairs):.3f}")
+        for tr in variants.values():
+            tr.step()
+    rounds = [{name: tr.step() for name, tr in variants.items()} for _ in range(args.steps - 3)]  # interleaved
+    print(f"first step: eager {first['eager']:.1f} s, compiled {first['compiled']:.1f} s (with the compile)")
+    print("median s/step: " + ", ".join(f"{name} {statistics.median(r[name] for r in rounds):.3f}"
+                                        for name in variants))
+    for name in ("compiled", "eager, one masked attention call"):
+        print(f"{name} / eager step time (median of interleaved rounds): "
+              f"{statistics.median(r[name] / r['eager'] for r in rounds):.3f}")
 
 
 if __name__ == "__main__":

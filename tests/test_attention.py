@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from owl_wms import attention
 from owl_wms.attention import attend, block_mask, dense_mask
 from owl_wms.rope import MotionRoPE, apply_rope
 
@@ -33,6 +34,41 @@ def test_flex_and_sdpa_agree(window):
     a = attend(q, k, v, 16, window, "sdpa")
     b = attend(q, k, v, 16, window, "flex")
     assert (a - b).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 3, None], ids=["w1", "w3", "global"])
+@pytest.mark.parametrize("n_q,n_k", [(7, 7), (5, 9), (2, 2)])
+@pytest.mark.parametrize("chunk_tokens", [16, 32, 48])
+def test_query_chunks_equal_one_masked_call(monkeypatch, window, n_q, n_k, chunk_tokens):
+    """Multi-frame queries in chunks (each against only the key frames it can see, a last chunk
+    shorter) give one masked SDPA call's output and gradients."""
+    tpf = 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, n_q * tpf, 32, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, n_k * tpf, 32, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, n_k * tpf, 32, generator=g, requires_grad=True)
+    w = torch.randn(2, 2, n_q * tpf, 32, generator=g)
+    results = []
+    for tokens in (chunk_tokens, 0):
+        monkeypatch.setattr(attention, "QUERY_CHUNK_TOKENS", tokens)
+        out = attend(q, k, v, tpf, window, "sdpa")
+        results.append((out, *torch.autograd.grad((out * w).sum(), (q, k, v))))
+    for chunked, whole in zip(*results):
+        assert (chunked - whole).abs().max() < 1e-5
+
+
+def test_a_chunk_reads_only_the_key_frames_it_can_see(monkeypatch):
+    """The point of the chunks: a local layer's chunk never touches keys its window hides.
+    Keys outside every chunk's reach are NaN; a read of one would poison the output."""
+    tpf, window, n = 16, 2, 8
+    monkeypatch.setattr(attention, "QUERY_CHUNK_TOKENS", 2 * tpf)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n * tpf, 32, generator=g) for _ in range(3))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :tpf], v2[:, :, :tpf] = float("nan"), float("nan")  # frame 0: seen only by query frames 0-1
+    out = attend(q, k2, v2, tpf, window, "sdpa")
+    assert torch.isnan(out[:, :, :2 * tpf]).all() and not torch.isnan(out[:, :, 2 * tpf:]).any()
+    assert (out[:, :, 2 * tpf:] - attend(q, k, v, tpf, window, "sdpa")[:, :, 2 * tpf:]).abs().max() < 1e-6
 
 
 def reference_angles(p: int, tpf: int, side: int, dh: int = 64, delta: float = 2.0, theta: float = 10000.0):

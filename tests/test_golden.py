@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from inference.causvid_pipeline import CausvidPipeline
+from owl_wms import attention
 from owl_wms.cache import StaticCache
 
 from .conftest import fp32_settings, tiny_world
@@ -16,20 +17,25 @@ def n_decoded(g) -> int:
     return n
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_cache_free_forward(golden, backend):
+@pytest.mark.parametrize("backend,chunk_tokens", [("sdpa", 0), ("sdpa", 32), ("sdpa", 48), ("flex", 0)],
+                         ids=["sdpa-one-call", "sdpa-chunks-of-2-frames", "sdpa-chunks-of-3-frames", "flex"])
+def test_cache_free_forward(golden, backend, chunk_tokens, monkeypatch):
     g, model = golden["t"], golden["model"]
     model.core.transformer.set_backends(backend, backend)
+    monkeypatch.setattr(attention, "QUERY_CHUNK_TOKENS", chunk_tokens)
     with torch.no_grad():
         out = model(g["full.x"], g["full.t"], g["full.mouse"], g["full.btn"])
     assert (out - g["full.out"]).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_two_step_decode_model_and_cache(golden, backend):
-    """The original call sequence, written out: prefill, then per frame two model calls."""
+@pytest.mark.parametrize("backend,chunk_tokens", [("sdpa", 0), ("sdpa", 32), ("flex", 0)],
+                         ids=["sdpa-one-call", "sdpa-chunks-of-2-frames", "flex"])
+def test_two_step_decode_model_and_cache(golden, backend, chunk_tokens, monkeypatch):
+    """The original call sequence, written out: prefill (in query chunks or one call), then
+    per frame two model calls."""
     g, model, cfg = golden["t"], golden["model"], golden["cfg"]
     model.core.transformer.set_backends(backend, backend)
+    monkeypatch.setattr(attention, "QUERY_CHUNK_TOKENS", chunk_tokens)
     cache = StaticCache(cfg, max_length=golden["window"], batch_size=1, dtype=torch.float32)
     with torch.no_grad():
         model.core.transformer.disable_decoding()

@@ -46,7 +46,11 @@ def test_tp2_matches_one_process_through_cut_bias_and_recompute(tmp_path):
         assert rc == 0, log
         frames[tp] = np.load(out).astype(int)
     assert frames[1].shape == (8, 64, 64, 3)
-    assert np.abs(frames[1] - frames[2]).max() <= 1  # <= 1/255 in fp32
+    # fp32 rounding only (all-reduce sums partial products in another order): a few percent of
+    # the uint8 values sit next to a rounding boundary and differ by one level, a rare one by two
+    # after the 8-frame rollout; a real divergence moves many values by many levels.
+    diff = np.abs(frames[1] - frames[2])
+    assert diff.max() <= 2 and diff.mean() < 0.1, (diff.max(), diff.mean())
     agreed = next(line for line in log.splitlines() if "ranks agree at stop" in line)
     tpf = 64
     # epoch 2 after the cut; 4 frames since, with a recompute at the 3rd: W=32 anchor + 1 frame
