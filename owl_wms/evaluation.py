@@ -8,15 +8,21 @@ decoded frames with what the simulator really shows under the same actions:
 - two diagnostics of what the model learned: the PSNR of simply repeating the last real frame
   (a next-frame predictor should beat it) and the action response, the PSNR between two
   predictions from the same history and noise under true and foreign actions (high: the
-  controls barely change the frame).
+  controls barely change the frame);
+- the same questions put to the simulator itself (``simulator_responses``): how much the
+  controls change the real next frame, and how far from the real frames a world that follows
+  foreign controls perfectly ends up, which is what the model's numbers are measured against.
 """
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
 from .data import level_clip
+from .simulator import MazeSim, SimConfig
 
 
 def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
@@ -86,3 +92,38 @@ def action_response(pipe, ep: Episode, other: Episode, n: int) -> list[float]:
         out.append(frame_metrics(mine, theirs)[0])
         observe_real(pipe, ep, k)
     return out
+
+
+def replay(ep: Episode, frames: int) -> MazeSim:
+    """The episode's simulator after its first ``frames`` recorded actions (the same frames:
+    the simulator is deterministic and the actions are stored exactly as they were played)."""
+    size = ep.frames.shape[1]
+    sim = MazeSim(ep.seed, SimConfig(width=size, height=size))
+    sim.render()
+    for i in range(frames):
+        sim.step(ep.clip.mouse[i].tolist(), ep.clip.buttons[i].tolist())
+    return sim
+
+
+def simulator_responses(ep: Episode, other: Episode, n: int, gap: tuple[int, int]) -> dict:
+    """What the controls do in the simulator, from the episode's real states (no model):
+    - ``previous_action``: PSNR of each real next frame (1..n) against the frame the previous
+      frame's action would have made from the same state: what the current action adds to
+      the motion so far;
+    - ``foreign_action``: the same against ``other``'s action for that frame;
+    - ``foreign_rollout``: PSNR to the real frames of the simulator following ``other``'s
+      actions from the end of the history, mean over frame indices ``gap`` (1-based): what a
+      model that follows the controls perfectly scores there with foreign actions."""
+    sim = replay(ep, ep.window)
+    start = copy.deepcopy(sim)
+    prev, foreign = [], []
+    for k in range(n):
+        real, m, b = ep.future(k)
+        for out, (am, ab) in ((prev, (ep.clip.mouse[ep.window + k - 1], ep.clip.buttons[ep.window + k - 1])),
+                              (foreign, other.future(k)[1:])):
+            out.append(frame_metrics(copy.deepcopy(sim).step(am.tolist(), ab.tolist()), real)[0])
+        sim.step(m.tolist(), b.tolist())
+    lo, hi = gap
+    rollout = [frame_metrics(start.step(*(a.tolist() for a in other.future(k)[1:])), ep.future(k)[0])[0]
+               for k in range(hi)]
+    return {"previous_action": prev, "foreign_action": foreign, "foreign_rollout": float(np.mean(rollout[lo - 1:hi]))}

@@ -6,7 +6,8 @@ Teacher-forced next-frame PSNR/SSIM, autoregressive PSNR/SSIM per frame index, t
 sensitivity gap (true actions minus another episode's, over --gap-range), and optionally
 the teacher-forced PSNR of an N-step Euler sampler for comparison (--euler-steps), and two
 diagnostics: copy-previous PSNR (repeat the last real frame) and action response (PSNR between
-teacher-forced predictions under true and foreign actions with the same noise).
+teacher-forced predictions under true and foreign actions with the same noise), and the
+simulator's own answers to the same questions (``owl_wms.evaluation.simulator_responses``).
 Level seeds start at owl_wms.data.HELD_OUT_SEED (+ --seed-offset): never used in training.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from owl_wms.data import HELD_OUT_SEED, POLICY_STYLES
-from owl_wms.evaluation import Episode, action_response, autoregressive, copy_previous, teacher_forced
+from owl_wms.evaluation import (Episode, action_response, autoregressive, copy_previous, simulator_responses,
+                                 teacher_forced)
 
 
 def mean_curve(runs: list[list[tuple[float, float]]], i: int) -> list[float]:
@@ -52,13 +54,14 @@ def main(argv=None):
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
     eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy) for s in tqdm(seeds, desc="episodes", unit="ep")]
-    ar, tf, other, response, euler = [], [], [], [], []
+    ar, tf, other, response, euler, sim = [], [], [], [], [], []
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
         foreign = eps[(i + 1) % len(eps)]
         ar.append(autoregressive(pipe, ep, n_ar))
         tf.append(teacher_forced(pipe, ep, args.tf_frames))
         other.append(autoregressive(pipe, ep, hi, actions=foreign))
         response.append(action_response(pipe, ep, foreign, args.tf_frames))
+        sim.append(simulator_responses(ep, foreign, args.tf_frames, (lo, hi)))
     if args.euler_steps:
         two_step = pipe.schedule
         pipe.schedule = tuple(float(t) for t in torch.linspace(1, 0, args.euler_steps + 1))
@@ -76,9 +79,15 @@ def main(argv=None):
         "ar_psnr": ar_psnr, "ar_ssim": ar_ssim,
         "ar_psnr_at_16": ar_psnr[15] if len(ar_psnr) >= 16 else None,
         "action_gap_db": true_gap - other_gap, "gap_range": [lo, hi],
+        "ar_psnr_gap_range": true_gap, "ar_psnr_foreign_actions_gap_range": other_gap,
         # diagnostics: the no-model baseline, and how much foreign actions change a prediction
         "copy_previous_psnr": float(np.mean([x[0] for ep in eps for x in copy_previous(ep, args.tf_frames)])),
         "action_response_psnr": float(np.mean([x for r in response for x in r])),
+        # the simulator's own: next frame under the previous / a foreign action (same state), and
+        # a perfect world following foreign actions against the real frames over the gap range
+        "sim_previous_action_psnr": float(np.median([x for r in sim for x in r["previous_action"]])),
+        "sim_foreign_action_psnr": float(np.median([x for r in sim for x in r["foreign_action"]])),
+        "sim_foreign_rollout_psnr_gap_range": float(np.mean([r["foreign_rollout"] for r in sim])),
     }
     if euler:
         report[f"teacher_forced_psnr_euler{args.euler_steps}"] = float(np.mean([x[0] for r in euler for x in r]))
@@ -99,8 +108,10 @@ def main(argv=None):
     fig.savefig(out / "psnr_curve.png", dpi=100)
     print(f"teacher-forced PSNR {report['teacher_forced_psnr']:.2f} dB, SSIM {report['teacher_forced_ssim']:.3f}; "
           f"AR PSNR@16 {report['ar_psnr_at_16'] or float('nan'):.2f}; action gap {report['action_gap_db']:.2f} dB; "
-          f"copy-previous {report['copy_previous_psnr']:.2f} dB; action response {report['action_response_psnr']:.2f} dB "
-          f"-> {out}")
+          f"copy-previous {report['copy_previous_psnr']:.2f} dB; action response {report['action_response_psnr']:.2f} dB; "
+          f"simulator: previous action {report['sim_previous_action_psnr']:.2f} dB, foreign action "
+          f"{report['sim_foreign_action_psnr']:.2f} dB, foreign rollout {report['sim_foreign_rollout_psnr_gap_range']:.2f} dB "
+          f"(model, true actions: {true_gap:.2f} dB) -> {out}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ def test_eval_command_on_two_short_episodes(tmp_path):
     assert len(report["ar_psnr"]) == 5 and len(report["ar_ssim"]) == 5 and report["seeds"][0] >= 1_000_000
     assert all(np.isfinite(report[k]) for k in ("teacher_forced_psnr", "teacher_forced_ssim", "action_gap_db",
                                                   "teacher_forced_psnr_euler3", "copy_previous_psnr",
-                                                  "action_response_psnr"))
+                                                  "action_response_psnr", "sim_previous_action_psnr",
+                                                  "sim_foreign_action_psnr", "sim_foreign_rollout_psnr_gap_range"))
+    assert abs(report["ar_psnr_gap_range"] - report["ar_psnr_foreign_actions_gap_range"]
+               - report["action_gap_db"]) < 1e-9
     assert (tmp_path / "psnr_curve.png").stat().st_size > 1000
 
 
@@ -42,3 +45,20 @@ def test_action_response_isolates_the_actions():
     assert all(np.isfinite(p) for p in action_response(pipe, a, b, 3))
     real = [a.future(k)[0] for k in range(3)]
     assert copy_previous(a, 3)[1] == frame_metrics(real[0], real[1])
+
+
+def test_simulator_responses_branch_from_the_real_states():
+    """The replay reaches the episode's real frames; the episode's own actions as the 'foreign'
+    ones reproduce every real frame (infinite PSNR), another episode's do not."""
+    from inference.causvid_pipeline import CausvidPipeline
+    from owl_wms.data import HELD_OUT_SEED
+    from owl_wms.evaluation import Episode, replay, simulator_responses
+
+    pipe = CausvidPipeline.from_checkpoint(clip=None, verbose=False)
+    a, b = Episode(pipe, HELD_OUT_SEED, 6), Episode(pipe, HELD_OUT_SEED + 1, 6)
+    assert np.array_equal(replay(a, a.window + 6).render(), a.frames[a.window + 5])
+    own = simulator_responses(a, a, 6, (2, 6))
+    assert all(np.isinf(x) for x in own["foreign_action"]) and np.isinf(own["foreign_rollout"])
+    other = simulator_responses(a, b, 6, (2, 6))
+    values = other["foreign_action"] + other["previous_action"] + [other["foreign_rollout"]]
+    assert len(other["previous_action"]) == 6 and all(np.isfinite(x) and x < 60 for x in values)
