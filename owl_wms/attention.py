@@ -130,20 +130,16 @@ def attend(q, k, v, tpf: int, window: int | None, backend: str, mask=None):
         if q.device.type == "cpu":
             return _flex_eager(q, k, v, bm, scale)
         return flex_attention(q, k, v, block_mask=bm, scale=scale)
-    chunk = max(1, QUERY_CHUNK_TOKENS // tpf)
-    if QUERY_CHUNK_TOKENS and n_q > chunk:
-        return _attend_chunked(q, k, v, tpf, window, chunk, scale)
-    # One query frame after the tail read sees every key: no mask needed.
-    mask = None if n_q == 1 else dense_mask(n_q, n_k, tpf, window, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    chunk = max(1, QUERY_CHUNK_TOKENS // tpf) if QUERY_CHUNK_TOKENS else n_q
+    return _attend_sdpa(q, k, v, tpf, window, chunk, scale)
 
 
-def _attend_chunked(q, k, v, tpf: int, window: int | None, chunk: int, scale: float):
+def _attend_sdpa(q, k, v, tpf: int, window: int | None, chunk: int, scale: float):
     """SDPA over chunks of ``chunk`` query frames, each against only the key frames it can
-    see. The same rule and the same result as one masked call, but the masked-out work is
-    skipped: on a 32-frame training clip in chunks of 4 frames, a local layer (window 8) reads
-    30% of the keys per query that one call reads and a global layer 56% (scripts.bench_train
-    times the step both ways)."""
+    see (one chunk of all the query frames is the plain masked call). The same rule and the
+    same result either way, but chunks skip the masked-out work: on a 32-frame training clip
+    in chunks of 4 frames, a local layer (window 8) reads 30% of the keys per query that one
+    call reads and a global layer 56% (scripts.bench_train times the step both ways)."""
     n_q, n_k = q.shape[2] // tpf, k.shape[2] // tpf
     shift = n_k - n_q  # query frame j is key frame j + shift
     out = []
@@ -151,10 +147,11 @@ def _attend_chunked(q, k, v, tpf: int, window: int | None, chunk: int, scale: fl
         c = min(chunk, n_q - s)
         hi = s + c + shift
         lo = 0 if window is None else max(0, s + shift - (window - 1))
+        # One query frame sees every key it is given: no mask needed.
         mask = None if c == 1 else dense_mask(c, hi - lo, tpf, window, q.device)
         out.append(F.scaled_dot_product_attention(q[:, :, s * tpf:(s + c) * tpf], k[:, :, lo * tpf:hi * tpf],
                                                   v[:, :, lo * tpf:hi * tpf], attn_mask=mask, scale=scale))
-    return torch.cat(out, dim=2)
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 class Attention(nn.Module):
