@@ -507,11 +507,16 @@ class QuantizedStaticCache(CacheUpdates):
         index = self._slot_index.get(slot)
         if index is None:
             index = self._slot_index[slot] = torch.tensor([slot], device=self.device)
+        rings = [out.view(*store.bufs[name].shape[:-1], -1) for name, out in zip("kv", work)]
+        after = [q.quantized and not q.decodes_in_ring_step(self.device, self.dtype) for q in (kq, vq)]
         args = [(self._frames(x), store.bufs[name], store.bufs.get(f"{name}_scale"), index,
-                 out.view(*store.bufs[name].shape[:-1], -1), q.tally_tensor(x.device) if q.quantized else None,
+                 None if later else ring, q.tally_tensor(x.device) if q.quantized else None,
                  q.codec, q.policy.dims, q.policy.floor)
-                for name, q, x, out in (("k", kq, k, work[0]), ("v", vq, v, work[1]))]
+                for name, q, x, ring, later in zip("kv", (kq, vq), (k, v), rings, after)]
         done, tallies = RING_STEP[(vq if vq.quantized else kq).codec.name](*args)
+        for name, q, ring, later in zip("kv", (kq, vq), rings, after):
+            if done and later:
+                q.decode(store.bufs[name], store.bufs[f"{name}_scale"], self.dtype, out=ring)
         if done and self.should_update:  # counters describe what entered the cache
             for q, x, tally in ((kq, k, tallies[0]), (vq, v, tallies[1])):
                 q.committed(x.numel(), tally)

@@ -75,24 +75,27 @@ class Int8Codec(Codec):
         return out.mul_(scale.to(dtype))
 
 
-def _lut_decode(lut: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out=None):
-    """Decode bytes through a 256-entry table, then scale."""
-    idx = q.reshape(-1).view(torch.uint8).int()
-    lut = lut.to(q.device, dtype)
-    if out is None:
-        return torch.index_select(lut, 0, idx).view(q.shape) * scale.to(dtype)
-    if not out.is_contiguous():  # a slice of a working buffer: look up, then scale into it
-        return torch.mul(torch.index_select(lut, 0, idx).view(q.shape), scale.to(dtype), out=out)
-    torch.index_select(lut, 0, idx, out=out.view(-1))
-    return out.mul_(scale.to(dtype))
-
-
 class Fp8Codec(Codec):
-    def __init__(self, name: str, dtype: torch.dtype):
+    """Real float8 storage (torch.float8_e4m3fn / float8_e5m2) of values divided by their scale.
+
+    Decoding on CPU places each code's bits into a bf16: under the sign, the code's exponent
+    becomes the low bits of bf16's wider exponent and its mantissa the top of bf16's, so every
+    code, subnormals included, reads as its value times 2^-(127 - bias); one multiply by a power
+    of two restores it exactly. Those are integer ops that vectorise, where torch's float8 cast
+    runs a scalar conversion per value on a CPU without float8 hardware (several times slower:
+    ``python -m scripts.bench_kv --decode``).
+    Codes outside the format's finite range (NaN, and e5m2's inf) read as large finite values:
+    encoding never writes them (inputs are made finite and clamped to the format's max).
+    """
+
+    def __init__(self, name: str, dtype: torch.dtype, exponent_bits: int, bias: int):
         self.name, self.dtype = name, dtype
         self.qmax = float(torch.finfo(dtype).max)
-        # On CPU a table lookup beats the e4m3 cast (measured ~2x); CUDA casts natively.
-        self.lut = torch.nan_to_num(torch.arange(256, dtype=torch.uint8).view(dtype).float())
+        # the code's 7 - exponent_bits mantissa bits go to the top of bf16's 7
+        self.shift = exponent_bits
+        # magnitude bits moved up by ``shift`` plus the sign bit, as an int16 mask
+        self.mask = (0x8000 | (0x7F << self.shift)) - 0x10000
+        self.unbias = 2.0 ** (127 - bias)
 
     def storage_dtype(self, compute_dtype):
         return self.dtype
@@ -100,9 +103,24 @@ class Fp8Codec(Codec):
     def encode(self, y):
         return y.clamp(-self.qmax, self.qmax).to(self.dtype)
 
+    @staticmethod
+    def decodes_by_bits(device: torch.device, dtype: torch.dtype) -> bool:
+        """Bit placement on a CPU into bf16; CUDA casts float8 natively."""
+        return device.type == "cpu" and dtype == torch.bfloat16
+
+    def place_bits(self, q: torch.Tensor, out: torch.Tensor):
+        """``out`` (bf16, q's shape) := each code's value times 2^-(127 - bias), built in place."""
+        bits = out.view(torch.int16)
+        bits.copy_(q.view(torch.int8))  # sign-extends, so after the shift and the mask bit 15 is the sign
+        bits.bitwise_left_shift_(self.shift).bitwise_and_(self.mask)
+
     def decode(self, q, scale, dtype, out=None):
-        if q.device.type == "cpu" and self.dtype == torch.float8_e4m3fn:
-            return _lut_decode(self.lut, q, scale, dtype, out)
+        if self.decodes_by_bits(q.device, dtype):
+            out = torch.empty(q.shape, dtype=dtype) if out is None else out
+            self.place_bits(q, out)
+            # two multiplies, not one by scale * unbias: that product overflows bf16 for
+            # scales >= 2^(bias + 1) (e4m3: amax >= 114,688)
+            return out.mul_(self.unbias).mul_(scale.to(dtype))
         if out is not None:
             return torch.mul(q.to(dtype), scale.to(dtype), out=out)
         return q.to(dtype) * scale.to(dtype)  # float8 has no type promotion: cast first
@@ -209,18 +227,45 @@ def _decode_fp8(q, scale, out):
     _scaled_cast(q, scale, out)
 
 
+def _rescale_e5m2(out, scale):
+    # times 2^(127 - 15) and the scale in fp32: one rounding (the product of a 3-bit and an 8-bit
+    # mantissa is exact in fp32), as the cast's single bf16 multiply, and no overflow
+    out.copy_((out.float() * 2.0 ** 112 * scale.float()).to(out.dtype))
+
+
+class Fp8Decode:
+    """OWL_COMPILE's fp8 decode. Where the codec decodes by bit placement (CPU, bf16), the bits
+    are placed eagerly (integer ops vectorise there, while Inductor's bitcasts go value by
+    value) and one compiled kernel applies the power of two and the scale; elsewhere one
+    compiled cast kernel."""
+
+    def __init__(self, codec_name: str, rescale: Fused, cast: Fused):
+        self.codec_name, self.rescale, self.cast = codec_name, rescale, cast
+
+    def one_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return not Fp8Codec.decodes_by_bits(device, dtype)
+
+    def __call__(self, q, scale, out) -> tuple[bool, object]:
+        if self.one_kernel(q.device, out.dtype):
+            return self.cast(q, scale, out)
+        make_codec(self.codec_name).place_bits(q, out)
+        return self.rescale(out, scale)  # not done: the eager decode redoes ``out`` whole
+
+
 def _ring_tensor(x, buf, scale_buf, slot, out, tally, codec: Codec, dims: tuple, floor: float):
     """One frame ``x`` [b, h, 1, tpf, dh] into ring slot ``slot`` (a one-element index) of
-    ``buf`` with its scales, then the whole ring decoded into ``out``; returns ``tally``
-    advanced by this frame's saturated and non-finite inputs. A bf16 ring is only written:
-    attention reads it as it is."""
+    ``buf`` with its scales, then the whole ring decoded into ``out`` (None: the caller decodes,
+    for codecs whose eager decode beats the compiled one); returns ``tally`` advanced by this
+    frame's saturated and non-finite inputs. A bf16 ring is only written: attention reads it as
+    it is."""
     if codec.qmax is None:
         buf.index_copy_(2, slot, x)
         return tally
     scale, q, counts = _scale_and_quantize(x, codec, dims, floor, scale_buf.dtype, True)
     buf.index_copy_(2, slot, q)
     scale_buf.index_copy_(2, slot, scale)
-    (_int4_unpack if codec.pack == 2 else _scaled_cast)(buf, scale_buf, out)
+    if out is not None:
+        (_int4_unpack if codec.pack == 2 else _scaled_cast)(buf, scale_buf, out)
     return tally + counts
 
 
@@ -267,11 +312,13 @@ class Fused:
             return False, None
 
 
-_ENCODE_FP8 = Fused(_encode_fp8)
-# codec -> (encode, decode); None: eager. Inductor's e5m2 cast on CPU is slower than eager's
-# (scripts.bench_kv), so e5m2 decodes eagerly.
-FUSED = {"int8": (Fused(_encode_int8), Fused(_decode_int8)), "fp8_e4m3": (_ENCODE_FP8, Fused(_decode_fp8)),
-         "fp8_e5m2": (_ENCODE_FP8, None), "int4": (Fused(_encode_int4), Fused(_int4_unpack))}
+_ENCODE_FP8, _DECODE_FP8 = Fused(_encode_fp8), Fused(_decode_fp8)
+# codec -> (encode, decode). On this CPU Inductor's e4m3 cast inside the one-kernel ring step
+# costs less than eager bit placement plus a rescale kernel after it, while its e5m2 cast costs
+# more (bench_kv's e5m2 decode rows), so only e5m2 takes the split decode.
+FUSED = {"int8": (Fused(_encode_int8), Fused(_decode_int8)), "fp8_e4m3": (_ENCODE_FP8, _DECODE_FP8),
+         "fp8_e5m2": (_ENCODE_FP8, Fp8Decode("fp8_e5m2", Fused(_rescale_e5m2), _DECODE_FP8)),
+         "int4": (Fused(_encode_int4), Fused(_int4_unpack))}
 # codec of the values (or of the keys, if only they are quantized) -> fused inplace ring step
 RING_STEP = {"int8": Fused(_ring_step_int8), "fp8_e4m3": Fused(_ring_step_fp8_e4m3),
              "fp8_e5m2": Fused(_ring_step_fp8_e5m2), "int4": Fused(_ring_step_int4)}
@@ -286,9 +333,9 @@ def make_codec(name: str) -> Codec:
     if name == "int4":
         return Int4Codec()
     if name == "fp8_e4m3":
-        return Fp8Codec(name, torch.float8_e4m3fn)
+        return Fp8Codec(name, torch.float8_e4m3fn, exponent_bits=4, bias=7)
     if name == "fp8_e5m2":
-        return Fp8Codec(name, torch.float8_e5m2)
+        return Fp8Codec(name, torch.float8_e5m2, exponent_bits=5, bias=15)
     raise ValueError(f"unknown KV storage codec {name!r}; choose one of {CODECS}")
 
 
@@ -431,6 +478,12 @@ class Quantizer:
         if commit:
             self.committed(x.numel(), self.tally + counts)
         return q, scale
+
+    def decodes_in_ring_step(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """A fused ring step decodes this tensor inside its one kernel; otherwise the step only
+        writes it and ``decode`` follows (fp8 on CPU: part of that decode is eager)."""
+        fd = self.fused_decode
+        return isinstance(fd, Fused) or (isinstance(fd, Fp8Decode) and fd.one_kernel(device, dtype))
 
     def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, out=None) -> torch.Tensor:
         if self.fused_decode is not None:

@@ -11,6 +11,8 @@
 2. Memory at the same shapes from ``cache.nbytes()`` (data + scales), as ratios to bf16 roll.
 3. The v0-v4 matrix of the original KV-cache notes on the shipped world (real pipeline,
    denoise + decode): no cache, bf16 cache, int8 cache, cross-layer sharing, int8 + sharing.
+4. With ``--decode``: one layer's 60-frame window decoded by each quantized codec, eagerly,
+   with its compiled kernel, and (fp8) by torch's own float8 cast, in alternation.
 """
 from __future__ import annotations
 
@@ -104,6 +106,41 @@ def cache_cost(mode: CacheFrames, base: CacheFrames, frames: int) -> tuple[float
     return statistics.median(times) * 1000, statistics.median(ratios)
 
 
+def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
+    """Median ms to decode one layer's whole window (per-token scales) into a bf16 buffer:
+    each quantized codec's eager decode and compiled kernel, and torch's float8 cast for fp8,
+    the methods of a codec taking turns so drift touches them alike."""
+    from owl_wms.quant import _DECODE_FP8, FUSED, Quantizer, ScalePolicy, make_codec
+
+    torch._dynamo.reset()  # the cache modes above used up compile-cache entries of these kernels
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn((1, cfg.n_heads, WINDOW, cfg.tokens_per_frame, cfg.head_dim), generator=g, device=device)
+    out = torch.empty(x.shape, device=device, dtype=dtype)
+    rows = []
+    for name in ("int8", "fp8_e4m3", "fp8_e5m2", "int4"):
+        codec = make_codec(name)
+        q, scale = Quantizer(codec, ScalePolicy("token")).encode(x, commit=False, scale_dtype=dtype)
+        methods = {"eager": lambda: codec.decode(q, scale, dtype, out=out)}
+        fused = FUSED[name][1]
+        methods["compiled"] = lambda: fused(q, scale, out)  # the kernel OWL_COMPILE=1 decodes with
+        if name.startswith("fp8"):
+            methods["torch cast"] = lambda: torch.mul(q.to(dtype), scale.to(dtype), out=out)
+            if fused is not _DECODE_FP8:
+                methods["compiled cast"] = lambda: _DECODE_FP8(q, scale, out)
+        times = {m: [] for m in methods}
+        for i in range(reps + 2):
+            for m, f in methods.items():
+                sync()
+                t0 = time.perf_counter()
+                f()
+                sync()
+                if i >= 2:  # warm-up (and the first compile)
+                    times[m].append(time.perf_counter() - t0)
+        rows += [{"codec": name, "method": m, "ms": statistics.median(t) * 1000} for m, t in times.items()]
+    return rows
+
+
 def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool = False, warmup: int = 4) -> list[dict]:
     """Each mode (name -> OWL_* flags) on the shipped world (real pipeline, denoise + decode,
     walk_turn actions): FPS, median ms, KV bytes, and the torch.compile graphs made after the
@@ -143,6 +180,7 @@ def main(argv=None):
     p.add_argument("--skip-matrix", action="store_true", help="skip the v0-v4 matrix on the shipped world")
     p.add_argument("--checkpoint", default=None, help="world for the v0-v4 matrix (default: the shipped one)")
     p.add_argument("--matrix-frames", type=int, default=48)
+    p.add_argument("--decode", action="store_true", help="also time each codec's decode of one layer's window")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -185,6 +223,13 @@ def main(argv=None):
         print(f"{codec:<12}" + "".join(f"{r['bytes'] / ref['bytes']:>12.3f}" for r in cells))
 
     out = {"machine": machine(), "torch": torch.__version__, "cache": results}
+    if args.decode:
+        rows = decode_rows(cfg, args.device, dtype, sync, max(args.frames, 10))
+        print(f"\nDecode of one layer's window ({cfg.n_heads} heads x {WINDOW} frames x {cfg.tokens_per_frame} "
+              f"tokens x {cfg.head_dim}, per-token scales), median ms")
+        for r in rows:
+            print(f"{r['codec']:<12} {r['method']:<12} {r['ms']:8.3f}")
+        out["decode"] = rows
     if not args.skip_matrix:
         rows = world_rows(MATRIX, args.checkpoint, args.matrix_frames, args.device)
         print(f"\nv0-v4 on the shipped world ({args.matrix_frames} frames, denoise + decode, walk_turn actions)")

@@ -51,6 +51,28 @@ def test_fused_kernels_match_the_eager_codecs(codec):
         assert (work[:, :, 0] == 7).all() and (work[:, :, -1] == 7).all()
 
 
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_bit_decode_equals_torchs_cast(codec):
+    """The CPU decode (bits placed into a bf16, then two multiplies) gives torch's float8 cast
+    times the scale bit for bit: every finite code, subnormals and signed zeros included, with
+    scales from tiny to ones whose product with the power of two would overflow bf16."""
+    fp8 = make_codec(codec)
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8.dtype)
+    finite = torch.isfinite(codes.float())
+    assert finite.sum() == (254 if codec == "fp8_e4m3" else 248)
+    scales = torch.tensor([2.0 ** -20, 3e-3, 1.0, 0.37, 300.0, 2.0 ** 17], dtype=torch.bfloat16)
+    q = codes[finite].view(1, 1, 1, -1, 1).expand(1, 1, 2, -1, len(scales)).transpose(-1, -2).contiguous()
+    s = scales.view(1, 1, 1, -1, 1)  # one scale per token
+    ref = q.to(torch.bfloat16) * s
+    got = fp8.decode(q, s, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))  # bits: -0.0 stays -0.0
+    work = torch.full((1, 1, 4, *q.shape[3:]), 7.0, dtype=torch.bfloat16)
+    fp8.decode(q, s, torch.bfloat16, out=work[:, :, 1:3])  # into a strided slice of a working buffer
+    assert torch.equal(work[:, :, 1:3].view(torch.int16), ref.view(torch.int16))
+    assert (work[:, :, 0] == 7).all() and (work[:, :, 3] == 7).all()
+    assert torch.equal(q.float(), codes[finite].float().view(1, 1, 1, 1, -1).expand_as(q))  # input untouched
+
+
 @pytest.mark.parametrize("env", [dict(OWL_KV_STORAGE="int8"), dict(OWL_KV_STORAGE="fp8_e4m3"),
                                  dict(OWL_KV_STORAGE="fp8_e5m2"), dict(OWL_KV_STORAGE="int4", OWL_KV_SCALE="channel"),
                                  dict(OWL_FP8_KV="1", OWL_K_FP8="0")], ids=str)
@@ -106,7 +128,8 @@ def test_fused_kernels_fall_back_to_eager_with_the_reason(monkeypatch):
     def no_backend(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(quant, "FUSED", {name: tuple(k and quant.Fused(k.body) for k in kernels)
+    monkeypatch.setattr(quant, "FUSED", {name: tuple(quant.Fused(k.body) if isinstance(k, quant.Fused) else k
+                                                     for k in kernels)
                                          for name, kernels in quant.FUSED.items()})
     monkeypatch.setattr(quant.Fused, "unavailable", None)
     monkeypatch.setattr(torch, "compile", no_backend)
@@ -365,15 +388,17 @@ def test_sharing_runs_and_costs_quality_like_any_mode():
     assert sorted(pipe.cache.stores) == [0, 2]
 
 
-@pytest.mark.parametrize("layout", ["roll", "inplace"])
-def test_compiled_decoding_does_not_recompile_in_steady_state(layout):
+@pytest.mark.parametrize("layout,storage", [("roll", "int8"), ("inplace", "int8"), ("inplace", "fp8_e5m2")])
+def test_compiled_decoding_does_not_recompile_in_steady_state(layout, storage):
     cfg = tiny_config()
-    settings = kv(OWL_RING_MODE=layout, OWL_KV_STORAGE="int8")
+    settings = kv(OWL_RING_MODE=layout, OWL_KV_STORAGE=storage)
     eager, _ = rollout(cfg, settings, 8)
     compiled, _, new_graphs = shared_rollout(cfg, 8, kv=settings, compile=True)
     assert new_graphs == 0
-    # Compiled float sums round differently, which can flip a quantization step: close, not equal.
-    assert (compiled - eager).abs().max() <= 2e-3
+    # Compiled float sums round differently, which can flip a quantization step: close, not equal
+    # (the cache's own work is bit-exact: test_fused_ring_step_matches_the_eager_ring). An e5m2
+    # step is up to a quarter of the value, an int8 one under 1% of the token's largest.
+    assert (compiled - eager).abs().max() <= {"int8": 2e-3, "fp8_e5m2": 1e-2}[storage]
 
 
 def test_build_cache_picks_the_plain_cache_for_the_default():
