@@ -23,6 +23,7 @@ MODES = {
     "int8 roll": {"OWL_KV_STORAGE": "int8"},
     "int8 inplace": {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"},
     "fp8_e4m3 inplace": {"OWL_KV_STORAGE": "fp8_e4m3", "OWL_RING_MODE": "inplace"},
+    "fp8_e5m2 inplace": {"OWL_KV_STORAGE": "fp8_e5m2", "OWL_RING_MODE": "inplace"},
     "int4 inplace": {"OWL_KV_STORAGE": "int4", "OWL_RING_MODE": "inplace"},
     "fp8 V-only inplace": {"OWL_FP8_KV": "1", "OWL_K_FP8": "0", "OWL_RING_MODE": "inplace"},
 }
