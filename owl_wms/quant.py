@@ -254,8 +254,8 @@ class Fp8Decode:
 
 def _ring_tensor(x, buf, scale_buf, slot, out, tally, codec: Codec, dims: tuple, floor: float):
     """One frame ``x`` [b, h, 1, tpf, dh] into ring slot ``slot`` (a one-element index) of
-    ``buf`` with its scales, then the whole ring decoded into ``out`` (None: the caller decodes,
-    for codecs whose eager decode beats the compiled one); returns ``tally`` advanced by this
+    ``buf`` with its scales, then the whole ring decoded into ``out`` (None: the caller decodes
+    afterwards, for a split decode that beats the in-kernel cast); returns ``tally`` advanced by this
     frame's saturated and non-finite inputs. A bf16 ring is only written: attention reads it as
     it is."""
     if codec.qmax is None:
