@@ -154,7 +154,7 @@ class Int4Codec(Codec):
 
 # -- fused kernels (OWL_COMPILE=1) --------------------------------------------------------------
 # Eager encoding is ~15 small ops per call and eager decoding several passes over a window
-# (cast, table lookup, multiply); torch.compile turns each body into one vectorised loop.
+# (cast or bit placement, multiply); torch.compile turns each body into one vectorised loop.
 # Codecs are shared instances and policies enter as plain constants, so every layer reuses
 # the same compiled graphs; each codec family has its own kernel functions (and so its own
 # compile cache).
