@@ -227,10 +227,11 @@ def _decode_fp8(q, scale, out):
     _scaled_cast(q, scale, out)
 
 
-def _rescale_e5m2(out, scale):
-    # times 2^(127 - 15) and the scale in fp32: one rounding (the product of a 3-bit and an 8-bit
-    # mantissa is exact in fp32), as the cast's single bf16 multiply, and no overflow
-    out.copy_((out.float() * 2.0 ** 112 * scale.float()).to(out.dtype))
+def _rescale_fp8(out, scale, unbias: float):
+    # times the codec's power of two and the scale in fp32: one rounding (the product of a
+    # <= 3-bit and an 8-bit mantissa is exact in fp32), as the cast's single bf16 multiply, and
+    # no overflow
+    out.copy_((out.float() * unbias * scale.float()).to(out.dtype))
 
 
 class Fp8Decode:
@@ -248,8 +249,9 @@ class Fp8Decode:
     def __call__(self, q, scale, out) -> tuple[bool, object]:
         if self.one_kernel(q.device, out.dtype):
             return self.cast(q, scale, out)
-        make_codec(self.codec_name).place_bits(q, out)
-        return self.rescale(out, scale)  # not done: the eager decode redoes ``out`` whole
+        codec = make_codec(self.codec_name)
+        codec.place_bits(q, out)
+        return self.rescale(out, scale, codec.unbias)  # not done: the eager decode redoes ``out`` whole
 
 
 def _ring_tensor(x, buf, scale_buf, slot, out, tally, codec: Codec, dims: tuple, floor: float):
@@ -317,7 +319,7 @@ _ENCODE_FP8, _DECODE_FP8 = Fused(_encode_fp8), Fused(_decode_fp8)
 # costs less than eager bit placement plus a rescale kernel after it, while its e5m2 cast costs
 # more (bench_kv's e5m2 decode rows), so only e5m2 takes the split decode.
 FUSED = {"int8": (Fused(_encode_int8), Fused(_decode_int8)), "fp8_e4m3": (_ENCODE_FP8, _DECODE_FP8),
-         "fp8_e5m2": (_ENCODE_FP8, Fp8Decode("fp8_e5m2", Fused(_rescale_e5m2), _DECODE_FP8)),
+         "fp8_e5m2": (_ENCODE_FP8, Fp8Decode("fp8_e5m2", Fused(_rescale_fp8), _DECODE_FP8)),
          "int4": (Fused(_encode_int4), Fused(_int4_unpack))}
 # codec of the values (or of the keys, if only they are quantized) -> fused inplace ring step
 RING_STEP = {"int8": Fused(_ring_step_int8), "fp8_e4m3": Fused(_ring_step_fp8_e4m3),
