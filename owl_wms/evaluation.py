@@ -9,6 +9,9 @@ decoded frames with what the simulator really shows under the same actions:
   (a next-frame predictor should beat it) and the action response, the PSNR between two
   predictions from the same history and noise under true and foreign actions (high: the
   controls barely change the frame);
+- turn following: under a held turn (mouse x) the view slides sideways; the model's mean
+  horizontal shift per frame as a share of the simulator's from the same state (1: turns as
+  the world does, 0: ignores the mouse);
 - the same questions put to the simulator itself (``simulator_responses``): how much the
   controls change the real next frame, and how far from the real frames a world that follows
   foreign controls perfectly ends up, which is what the model's numbers are measured against.
@@ -127,3 +130,28 @@ def simulator_responses(ep: Episode, other: Episode, n: int, gap: tuple[int, int
     rollout = [frame_metrics(start.step(*(a.tolist() for a in other.future(k)[1:])), ep.future(k)[0])[0]
                for k in range(hi)]
     return {"previous_action": prev, "foreign_action": foreign, "foreign_rollout": float(np.mean(rollout[lo - 1:hi]))}
+
+
+def horizontal_shift(a: np.ndarray, b: np.ndarray, max_shift: int = 12) -> int:
+    """Columns by which the view moved from frame ``a`` to frame ``b`` (HxWx3 uint8): the integer
+    shift whose overlap has the least squared difference of grey levels (positive: content
+    moved left, as when turning right)."""
+    x, y = (torch.from_numpy(np.ascontiguousarray(f)).float().mean(-1) for f in (a, b))
+    w = x.shape[1]
+    shifts = list(range(-max_shift, max_shift + 1))
+    err = [float(((x[:, max(s, 0):w + min(s, 0)] - y[:, max(-s, 0):w + min(-s, 0)]) ** 2).mean()) for s in shifts]
+    return shifts[int(np.argmin(err))]
+
+
+def turn_following(pipe, ep: Episode, dx: float, n: int) -> tuple[float, float]:
+    """Mean horizontal shift per frame (columns, signed by the turn) of the model's and of the
+    simulator's frames over ``n`` frames of walking forward (W) with mouse x held at ``dx`` from
+    the episode's real history."""
+    mouse, buttons = [float(dx), 0.0], [1.0] + [0.0] * 10
+    sim = replay(ep, ep.window)
+    real = [ep.frames[ep.window - 1]] + [sim.step(mouse, buttons) for _ in range(n)]
+    pipe.load_clip(ep.clip)
+    made = [ep.frames[ep.window - 1]] + [pipe(mouse, buttons)[0].numpy() for _ in range(n)]
+    sign = float(np.sign(dx))
+    mean_shift = lambda fs: sign * float(np.mean([horizontal_shift(a, b) for a, b in zip(fs[:-1], fs[1:])]))  # noqa: E731
+    return mean_shift(made), mean_shift(real)

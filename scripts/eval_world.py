@@ -24,7 +24,7 @@ from tqdm import tqdm
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from owl_wms.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.evaluation import (Episode, action_response, autoregressive, copy_previous, simulator_responses,
-                                 teacher_forced)
+                                 teacher_forced, turn_following)
 
 
 def mean_curve(runs: list[list[tuple[float, float]]], i: int) -> list[float]:
@@ -43,6 +43,9 @@ def main(argv=None):
     p.add_argument("--frames", type=int, default=64, help="autoregressive frames per episode")
     p.add_argument("--tf-frames", type=int, default=32, help="teacher-forced frames per episode")
     p.add_argument("--gap-range", type=int, nargs=2, default=(5, 32), help="frame indices (1-based) of the gap")
+    p.add_argument("--turn-dx", type=float, default=6.0,
+                   help="mouse x of the held turns (each way) in the turn-following diagnostic")
+    p.add_argument("--turn-frames", type=int, default=16)
     p.add_argument("--euler-steps", type=int, default=0, help="also score an N-step Euler sampler (0: skip)")
     p.add_argument("--out", default="eval")
     args = p.parse_args(argv)
@@ -54,7 +57,7 @@ def main(argv=None):
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
     eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy) for s in tqdm(seeds, desc="episodes", unit="ep")]
-    ar, tf, other, response, euler, sim = [], [], [], [], [], []
+    ar, tf, other, response, euler, sim, turns = [], [], [], [], [], [], []
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
         foreign = eps[(i + 1) % len(eps)]
         ar.append(autoregressive(pipe, ep, n_ar))
@@ -62,6 +65,7 @@ def main(argv=None):
         other.append(autoregressive(pipe, ep, hi, actions=foreign))
         response.append(action_response(pipe, ep, foreign, args.tf_frames))
         sim.append(simulator_responses(ep, foreign, args.tf_frames, (lo, hi)))
+        turns += [turn_following(pipe, ep, d * args.turn_dx, args.turn_frames) for d in (1, -1)]
     if args.euler_steps:
         two_step = pipe.schedule
         pipe.schedule = tuple(float(t) for t in torch.linspace(1, 0, args.euler_steps + 1))
@@ -88,7 +92,12 @@ def main(argv=None):
         "sim_previous_action_psnr": float(np.median([x for r in sim for x in r["previous_action"]])),
         "sim_foreign_action_psnr": float(np.median([x for r in sim for x in r["foreign_action"]])),
         "sim_foreign_rollout_psnr_gap_range": float(np.mean([r["foreign_rollout"] for r in sim])),
+        # turning: columns per frame the view slides under a held mouse x, model and simulator
+        "turn_shift_model": float(np.mean([m for m, _ in turns])),
+        "turn_shift_sim": float(np.mean([r for _, r in turns])),
+        "turn_dx": args.turn_dx,
     }
+    report["turn_following"] = report["turn_shift_model"] / report["turn_shift_sim"]
     if euler:
         report[f"teacher_forced_psnr_euler{args.euler_steps}"] = float(np.mean([x[0] for r in euler for x in r]))
     (out / "eval.json").write_text(json.dumps(report, indent=2))
@@ -111,7 +120,8 @@ def main(argv=None):
           f"copy-previous {report['copy_previous_psnr']:.2f} dB; action response {report['action_response_psnr']:.2f} dB; "
           f"simulator: previous action {report['sim_previous_action_psnr']:.2f} dB, foreign action "
           f"{report['sim_foreign_action_psnr']:.2f} dB, foreign rollout {report['sim_foreign_rollout_psnr_gap_range']:.2f} dB "
-          f"(model, true actions: {true_gap:.2f} dB) -> {out}")
+          f"(model, true actions: {true_gap:.2f} dB); turn following {report['turn_following']:.2f} "
+          f"({report['turn_shift_model']:.2f} of the simulator's {report['turn_shift_sim']:.2f} columns/frame) -> {out}")
 
 
 if __name__ == "__main__":

@@ -29,12 +29,14 @@ CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,0
 
 
 def train_world_commands(train: dict) -> list[dict]:
-    """The train_world commands behind a run record, each as (from_step, batch, --steps):
-    consecutive runs with the same --steps and --batch are one command, stopped and resumed."""
+    """The train_world commands behind a run record, each as (from_step, batch, --steps, other
+    recipe flags): consecutive runs with the same flags are one command, stopped and resumed."""
     merged = []
+    key = lambda c: (c["batch"], c["steps"], c["options"])  # noqa: E731
     for r in train.get("runs") or [{"batch": train["batch"], "from_step": 0, "to_step": train["steps"]}]:
-        command = {"from_step": r["from_step"], "batch": r["batch"], "steps": r.get("target", r["to_step"])}
-        if not merged or (merged[-1]["batch"], merged[-1]["steps"]) != (command["batch"], command["steps"]):
+        command = {"from_step": r["from_step"], "batch": r["batch"], "steps": r.get("target", r["to_step"]),
+                   "options": r.get("options", "")}
+        if not merged or key(merged[-1]) != key(command):
             merged.append(command)
     return merged
 
@@ -87,7 +89,8 @@ def chain_commands(policy: str, train: dict, vae: dict) -> list[str]:
                   "# latents + measured vae_scale"]
         latents, data = f" --latents work/latents_{policy}", f" --data work/data_{policy}"
     for i, r in enumerate(train_world_commands(train)):
-        lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['steps']}   "
+        options = f" {r['options']}" if r["options"] else ""
+        lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['steps']}{options}   "
                   + ("# rectified flow + diffusion forcing" if i == 0 else
                      f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['steps']} steps")]
     export = f"python -m scripts.export_checkpoint{latents}{data}" + \

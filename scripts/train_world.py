@@ -23,7 +23,21 @@ from owl_wms.training import RunLog, load_training_state, save_training_state
 from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
 
-def main(argv=None):
+# Flags that change what is trained (not where it is read, written or run), so MODEL.md's
+# recipe repeats the ones a run set away from their defaults.
+RECIPE_FLAGS = ("frames", "lr", "ema", "pipeline_frac", "target_frac", "seed", "init", "fp32", "compile")
+
+
+def recipe_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    out = []
+    for name in RECIPE_FLAGS:
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if value != parser.get_default(name):
+            out.append(flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return " ".join(out)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/maze_world.yaml")
     p.add_argument("--latents", default="work/latents")
@@ -34,6 +48,8 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--ema", type=float, default=0.995)
     p.add_argument("--pipeline-frac", type=float, default=0.5, help="share of pipeline-shaped noise samples")
+    p.add_argument("--target-frac", type=float, default=0.0,
+                   help="in pipeline-shaped samples, chance that each earlier frame is also a next-frame target")
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="checkpoint folder to fine-tune (default: random weights)")
@@ -41,6 +57,11 @@ def main(argv=None):
     p.add_argument("--fp32", action="store_true")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks (a one-off compile, then faster steps)")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
 
     world = load_config(args.config)
@@ -65,7 +86,7 @@ def main(argv=None):
             if metrics_path.is_file() else []
     # Every invocation is recorded (a resumed run with a larger --steps goes on from the saved
     # step on the cosine schedule of the new length), so MODEL.md can list each command and its time.
-    clock = RunLog(runs, step, args.batch, args.steps)
+    clock = RunLog(runs, step, args.batch, args.steps, recipe_options(p, args))
     if init is not None and step == 0:  # a resumed fine-tune has its weights in the state
         weights = Path(args.init) / "model.safetensors"
         state = read_state_dict(weights)  # read once: load_weights copies it into each module
@@ -76,7 +97,7 @@ def main(argv=None):
     while step < args.steps:
         x, m, b = data.batch(args.batch, gen)
         t = sample_times(x.shape[0], x.shape[1], gen, args.pipeline_frac, world.pipeline.history_alpha,
-                         world.pipeline.schedule)
+                         world.pipeline.schedule, args.target_frac)
         loss = train_step(model, ema, opt, sched, x.to(args.device), m.to(args.device), b.to(args.device), t, gen,
                           args.ema, bf16=not args.fp32)
         step += 1

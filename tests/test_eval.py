@@ -26,7 +26,9 @@ def test_eval_command_on_two_short_episodes(tmp_path):
     assert all(np.isfinite(report[k]) for k in ("teacher_forced_psnr", "teacher_forced_ssim", "action_gap_db",
                                                   "teacher_forced_psnr_euler3", "copy_previous_psnr",
                                                   "action_response_psnr", "sim_previous_action_psnr",
-                                                  "sim_foreign_action_psnr", "sim_foreign_rollout_psnr_gap_range"))
+                                                  "sim_foreign_action_psnr", "sim_foreign_rollout_psnr_gap_range",
+                                                  "turn_following", "turn_shift_model"))
+    assert report["turn_shift_sim"] > 0.5  # the simulator's view slides under a held turn
     assert abs(report["ar_psnr_gap_range"] - report["ar_psnr_foreign_actions_gap_range"]
                - report["action_gap_db"]) < 1e-9
     assert (tmp_path / "psnr_curve.png").stat().st_size > 1000
@@ -62,3 +64,20 @@ def test_simulator_responses_branch_from_the_real_states():
     other = simulator_responses(a, b, 6, (2, 6))
     values = other["foreign_action"] + other["previous_action"] + [other["foreign_rollout"]]
     assert len(other["previous_action"]) == 6 and all(np.isfinite(x) and x < 60 for x in values)
+
+
+def test_horizontal_shift_finds_a_known_slide_and_the_simulators_turn_direction():
+    from owl_wms.evaluation import horizontal_shift
+    from owl_wms.simulator import MazeSim, SimConfig
+
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 256, size=(32, 80, 3), dtype=np.uint8)
+    for s in (-5, 0, 3):
+        moved = np.roll(a, -s, axis=1)  # content moves left by s
+        assert horizontal_shift(a[:, 10:70], moved[:, 10:70]) == s
+    forward = [1] + [0] * 10
+    for dx, sign in ((8.0, 1), (-8.0, -1)):
+        sim = MazeSim(3, SimConfig(width=64, height=64))
+        before = sim.render()
+        after = sim.step([dx, 0.0], forward)
+        assert sign * horizontal_shift(before, after) >= 2  # turning right slides the view left

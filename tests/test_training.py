@@ -182,6 +182,20 @@ def test_model_card_recipe_follows_the_data_policy():
     assert "encode_latents --data work/data_lively --out work/latents_lively" in lively[3]
     assert all("--latents work/latents_lively" in c for c in lively if "train_world" in c or "export" in c)
     assert all("--data work/data_lively" in c for c in lively if "export" in c)
+    # flags beyond --batch/--steps come back as typed; a change of them is a new command
+    flagged = {"runs": [{"batch": 4, "from_step": 0, "to_step": 900, "target": 2600, "options": "--target-frac 0.5 --compile"},
+                        {"batch": 4, "from_step": 900, "to_step": 2600, "target": 2600, "options": "--target-frac 0.5 --compile"}]}
+    assert [c.split("#")[0].strip() for c in chain_commands("explore", flagged, {"steps": 5000}) if "train_world" in c] == [
+        "python -m scripts.train_world --batch 4 --steps 2600 --target-frac 0.5 --compile"]
+
+
+def test_train_world_records_the_recipe_flags_it_was_given():
+    from scripts.train_world import parser, recipe_options
+
+    p = parser()
+    assert recipe_options(p, p.parse_args(["--out", "elsewhere", "--device", "cpu", "--save-every", "5"])) == ""
+    assert recipe_options(p, p.parse_args(["--target-frac", "0.5", "--compile", "--lr", "3e-4", "--ema", "0.98"])) == \
+        "--lr 0.0003 --ema 0.98 --target-frac 0.5 --compile"
 
 
 def test_vae_training_lowers_the_loss():
@@ -225,6 +239,17 @@ def test_pipeline_shaped_times():
     assert bool((t[:, :-1] == 0.25).all()) and set(t[:, -1].tolist()) <= {1.0, 0.25}
     t = sample_times(64, 5, g, 0.0, 0.25, (1.0, 0.25, 0.0))
     assert 0 < t.min() and t.max() < 1 and t.std() > 0.1
+
+
+def test_target_frac_adds_next_frame_targets_to_pipeline_samples():
+    sched = (1.0, 0.25, 0.0)
+    plain = sample_times(16, 8, torch.Generator().manual_seed(3), 0.5, 0.25, sched)
+    same = sample_times(16, 8, torch.Generator().manual_seed(3), 0.5, 0.25, sched, target_frac=0.0)
+    assert torch.equal(plain, same)  # off: the shipped recipe's draws, bit for bit
+    t = sample_times(256, 8, torch.Generator().manual_seed(3), 1.0, 0.25, sched, target_frac=0.5)
+    assert set(t.flatten().tolist()) <= {1.0, 0.25}
+    share = float((t[:, :-1] == 1.0).float().mean())
+    assert 0.2 < share < 0.3  # half the earlier frames are targets, half of those at t = 1
 
 
 def test_shipped_recipe_trains_the_shipped_vae():

@@ -15,13 +15,15 @@ def warmup_cosine(total_steps: int, warmup_steps: int):
 
 class RunLog:
     """Wall time of a resumable stage over all its invocations: one record per run (from_step,
-    to_step reached, batch, target: the run's --steps, seconds). It is saved with the training
-    state, so a run stopped between saves still counts up to its last save (the next run redoes,
-    and times, the steps after it)."""
+    to_step reached, batch, target: the run's --steps, options: its other recipe flags if any,
+    seconds). It is saved with the training state, so a run stopped between saves still counts
+    up to its last save (the next run redoes, and times, the steps after it)."""
 
-    def __init__(self, runs: list[dict], step: int, batch: int, target: int):
+    def __init__(self, runs: list[dict], step: int, batch: int, target: int, options: str = ""):
         self.done, self.t0 = [dict(r) for r in runs], time.time()
         self.now = {"from_step": step, "batch": batch, "target": target}
+        if options:  # recipe flags beyond --batch/--steps, as typed (MODEL.md repeats them)
+            self.now["options"] = options
 
     def runs(self, step: int) -> list[dict]:
         """Every run so far, this one up to ``step``."""

@@ -46,7 +46,11 @@ class LatentEpisodes:
 
 
 def sample_times(b: int, n: int, gen: torch.Generator, pipeline_frac: float, alpha: float,
-                 schedule: tuple[float, ...]) -> torch.Tensor:
+                 schedule: tuple[float, ...], target_frac: float = 0.0) -> torch.Tensor:
+    """Per-frame noise levels [b, n]. A pipeline-shaped sample holds its history at ``alpha``
+    and its last frame at a step of the schedule; with ``target_frac`` > 0 each earlier frame
+    is also such a target with that probability, so one clip trains many next-frame
+    predictions from a streaming-like history instead of one (0 draws nothing extra)."""
     t = torch.sigmoid(torch.randn(b, n, generator=gen))
     pipe = torch.rand(b, generator=gen) < pipeline_frac
     if pipe.any():
@@ -54,6 +58,11 @@ def sample_times(b: int, n: int, gen: torch.Generator, pipeline_frac: float, alp
         last = steps[torch.randint(0, len(steps), (int(pipe.sum()),), generator=gen)]
         t[pipe] = alpha
         t[pipe, -1] = last
+        if target_frac > 0:
+            k = int(pipe.sum())
+            chosen = torch.rand(k, n - 1, generator=gen) < target_frac
+            levels = steps[torch.randint(0, len(steps), (k, n - 1), generator=gen)]
+            t[pipe, :-1] = torch.where(chosen, levels, t[pipe, :-1])
     return t
 
 
