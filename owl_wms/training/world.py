@@ -53,13 +53,13 @@ def sample_times(b: int, n: int, gen: torch.Generator, pipeline_frac: float, alp
     predictions from a streaming-like history instead of one (0 draws nothing extra)."""
     t = torch.sigmoid(torch.randn(b, n, generator=gen))
     pipe = torch.rand(b, generator=gen) < pipeline_frac
-    if pipe.any():
+    k = int(pipe.sum())
+    if k:
         steps = torch.tensor(schedule[:-1])
-        last = steps[torch.randint(0, len(steps), (int(pipe.sum()),), generator=gen)]
+        last = steps[torch.randint(0, len(steps), (k,), generator=gen)]
         t[pipe] = alpha
         t[pipe, -1] = last
         if target_frac > 0:
-            k = int(pipe.sum())
             chosen = torch.rand(k, n - 1, generator=gen) < target_frac
             levels = steps[torch.randint(0, len(steps), (k, n - 1), generator=gen)]
             t[pipe, :-1] = torch.where(chosen, levels, t[pipe, :-1])
