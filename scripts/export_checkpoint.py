@@ -100,6 +100,11 @@ def chain_commands(policy: str, train: dict, vae: dict) -> list[str]:
                     f"{export} --eval eval/maze-world/eval.json   # MODEL.md with the evaluation"]
 
 
+def db(value: float | None) -> str:
+    """An evaluation figure in dB; a shorter evaluation (fewer frames) leaves some unmeasured."""
+    return "not measured" if value is None else f"{value:.2f} dB"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/maze_world.yaml")
@@ -183,14 +188,18 @@ def main(argv=None):
         if euler:
             lines += [f"| teacher-forced PSNR, {euler.removeprefix('teacher_forced_psnr_euler')}-step Euler | "
                       f"{ev[euler]:.2f} dB (two-step minus Euler: {ev['teacher_forced_psnr'] - ev[euler]:+.2f} dB) |"]
-        lines += [f"| autoregressive PSNR at frame 16 | {ev['ar_psnr_at_16']:.2f} dB (target >= 18 dB) |",
+        lines += [f"| autoregressive PSNR at frame 16 | {db(ev['ar_psnr_at_16'])} (target >= 18 dB) |",
                   f"| action sensitivity gap, frames {ev['gap_range'][0]}-{ev['gap_range'][1]} | "
-                  f"{ev['action_gap_db']:.2f} dB (target >= 1.5 dB) |",
+                  f"{db(ev['action_gap_db'])} (target >= 1.5 dB) |",
                   *([f"| diagnostic: repeat the last real frame (no model), teacher-forced | "
                      f"{ev['copy_previous_psnr']:.2f} dB |",
                      f"| diagnostic: action response, PSNR between predictions under true and foreign actions "
                      f"(same history and noise; higher = controls matter less) | {ev['action_response_psnr']:.2f} dB |"]
                     if "action_response_psnr" in ev else []),
+                  *([f"| diagnostic: turn following, the model's view slide under a held turn (mouse "
+                     f"{ev['turn_dx']:+g}, then {-ev['turn_dx']:+g}) as a share of the simulator's | "
+                     f"{ev['turn_following']:.2f} ({ev['turn_shift_model']:.2f} vs {ev['turn_shift_sim']:.2f} "
+                     "columns/frame) |"] if "turn_following" in ev else []),
                   f"| held-out level seeds | {ev['seeds'][0]}..{ev['seeds'][-1]} (training used 0..{manifest.get('episodes', 256) - 1}) |",
                   "", f"Evaluation command: `{ev['command']}`; per-frame curve: `eval_curve.png`."]
         curve = Path(args.eval).with_name("psnr_curve.png")

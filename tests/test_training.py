@@ -156,6 +156,14 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
                      "--policy", "lively", "--out", str(tmp_path / "eval")])
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert report["policy"] == "lively" and report["weights"].endswith("ema_core.pt")
+    # MODEL.md quotes the evaluation, turn following included
+    export_checkpoint.main(["--config", str(tmp_path / "tiny.yaml"), "--vae", str(chain / "vae" / "final"),
+                            "--latents", str(chain / "latents"), "--world", str(tmp_path / "world"),
+                            "--out", str(tmp_path / "ckpt"), "--clips", "2", "--future", "20",
+                            "--eval", str(tmp_path / "eval" / "eval.json")])
+    card = (tmp_path / "ckpt" / "MODEL.md").read_text()
+    assert f"{report['teacher_forced_psnr']:.2f} dB" in card
+    assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
     with pytest.raises(SystemExit, match="holds a model unlike"):
         train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
                           "--init", str(tmp_path / "ckpt")])  # the default config is the full-size world
