@@ -163,6 +163,7 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
                             "--eval", str(tmp_path / "eval" / "eval.json")])
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
     assert f"{report['teacher_forced_psnr']:.2f} dB" in card
+    assert "frame 16 | not measured" in card  # a 3-frame evaluation has no frame 16
     assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
     with pytest.raises(SystemExit, match="holds a model unlike"):
         train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
