@@ -118,9 +118,10 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     from inference.causvid_pipeline import CausvidPipeline
     from scripts import export_checkpoint
 
-    export_checkpoint.main(["--config", str(tmp_path / "tiny.yaml"), "--vae", str(chain / "vae" / "final"),
-                            "--latents", str(chain / "latents"), "--world", str(tmp_path / "world"),
-                            "--out", str(tmp_path / "ckpt"), "--clips", "2", "--future", "20"])
+    export = ["--config", str(tmp_path / "tiny.yaml"), "--vae", str(chain / "vae" / "final"), "--latents",
+              str(chain / "latents"), "--world", str(tmp_path / "world"), "--out", str(tmp_path / "ckpt"),
+              "--clips", "2", "--future", "20"]
+    export_checkpoint.main(export)
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
     assert card.count("|") > 10 and "3 episodes x 24 frames, explore policy" in card
     vae_steps = json.loads((chain / "vae" / "final" / "metrics.json").read_text())["steps"]
@@ -157,10 +158,7 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert report["policy"] == "lively" and report["weights"].endswith("ema_core.pt")
     # MODEL.md quotes the evaluation, turn following included
-    export_checkpoint.main(["--config", str(tmp_path / "tiny.yaml"), "--vae", str(chain / "vae" / "final"),
-                            "--latents", str(chain / "latents"), "--world", str(tmp_path / "world"),
-                            "--out", str(tmp_path / "ckpt"), "--clips", "2", "--future", "20",
-                            "--eval", str(tmp_path / "eval" / "eval.json")])
+    export_checkpoint.main(export + ["--eval", str(tmp_path / "eval" / "eval.json")])
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
     assert f"{report['teacher_forced_psnr']:.2f} dB" in card
     assert "frame 16 | not measured" in card  # a 3-frame evaluation has no frame 16
