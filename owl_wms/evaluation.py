@@ -49,8 +49,10 @@ class Episode:
         return self.frames[i], self.clip.mouse[i], self.clip.buttons[i]
 
 
-def autoregressive(pipe, ep: Episode, n: int, actions: Episode | None = None) -> list[tuple[float, float]]:
-    """Metrics per frame index 1..n; ``actions`` substitutes another episode's controls."""
+def autoregressive(pipe, ep: Episode, n: int, actions: Episode | None = None,
+                   frames: list | None = None) -> list[tuple[float, float]]:
+    """Metrics per frame index 1..n; ``actions`` substitutes another episode's controls;
+    ``frames``, when given, receives the predicted uint8 frames."""
     pipe.load_clip(ep.clip)
     src = actions or ep
     out = []
@@ -58,7 +60,23 @@ def autoregressive(pipe, ep: Episode, n: int, actions: Episode | None = None) ->
         _, m, b = src.future(k)
         frame, _ = pipe(m, b)
         out.append(frame_metrics(frame.numpy(), ep.future(k)[0]))
+        if frames is not None:
+            frames.append(frame.numpy())
     return out
+
+
+def rollout_sheet(rows: list[tuple[np.ndarray, np.ndarray]], every: int, gap: int = 2) -> np.ndarray:
+    """One uint8 image of (real, predicted) frame sequences [n, H, W, 3]: for each pair a row of
+    the real frames above a row of the predictions, frame indices 1, 1 + every, ... as columns,
+    ``gap`` white pixels between pairs; what the PSNR curve means, to the eye."""
+    blocks = []
+    for real, pred in rows:
+        if real.shape != pred.shape:
+            raise ValueError(f"real frames {real.shape} and predictions {pred.shape} differ in shape")
+        pick = slice(0, len(real), every)
+        block = np.concatenate([np.concatenate(list(real[pick]), axis=1), np.concatenate(list(pred[pick]), axis=1)])
+        blocks += [block, np.full((gap, block.shape[1], 3), 255, np.uint8)]
+    return np.concatenate(blocks[:-1])
 
 
 def observe_real(pipe, ep: Episode, k: int):

@@ -2,6 +2,9 @@
 
     python -m scripts.eval_world [--checkpoint checkpoints/<world>] [--episodes 8] [--out eval/]
 
+Writes eval.json, psnr_curve.png and rollouts.png (the first --sheet-episodes autoregressive
+rollouts, every --sheet-every frames: the simulator's frames above the model's).
+
 Teacher-forced next-frame PSNR/SSIM, autoregressive PSNR/SSIM per frame index, the action
 sensitivity gap (true actions minus another episode's, over --gap-range), and optionally
 the teacher-forced PSNR of an N-step Euler sampler for comparison (--euler-steps), and two
@@ -23,8 +26,8 @@ from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from owl_wms.data import HELD_OUT_SEED, POLICY_STYLES
-from owl_wms.evaluation import (Episode, action_response, autoregressive, copy_previous, simulator_responses,
-                                 teacher_forced, turn_following)
+from owl_wms.evaluation import (Episode, action_response, autoregressive, copy_previous, rollout_sheet,
+                                 simulator_responses, teacher_forced, turn_following)
 
 
 def mean_curve(runs: list[list[tuple[float, float]]], i: int) -> list[float]:
@@ -46,6 +49,9 @@ def main(argv=None):
     p.add_argument("--turn-dx", type=float, default=6.0,
                    help="mouse x of the held turns (each way) in the turn-following diagnostic")
     p.add_argument("--turn-frames", type=int, default=16)
+    p.add_argument("--sheet-episodes", type=int, default=4,
+                   help="episodes shown in rollouts.png (simulator above model, autoregressive)")
+    p.add_argument("--sheet-every", type=int, default=4, help="frame step between rollouts.png columns")
     p.add_argument("--euler-steps", type=int, default=0, help="also score an N-step Euler sampler (0: skip)")
     p.add_argument("--out", default="eval")
     args = p.parse_args(argv)
@@ -57,10 +63,13 @@ def main(argv=None):
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
     eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy) for s in tqdm(seeds, desc="episodes", unit="ep")]
-    ar, tf, other, response, euler, sim, turns = [], [], [], [], [], [], []
+    ar, tf, other, response, euler, sim, turns, sheet = [], [], [], [], [], [], [], []
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
         foreign = eps[(i + 1) % len(eps)]
-        ar.append(autoregressive(pipe, ep, n_ar))
+        predicted = []
+        ar.append(autoregressive(pipe, ep, n_ar, frames=predicted))
+        if i < args.sheet_episodes:
+            sheet.append((ep.frames[ep.window:ep.window + n_ar], np.stack(predicted)))
         tf.append(teacher_forced(pipe, ep, args.tf_frames))
         other.append(autoregressive(pipe, ep, hi, actions=foreign))
         response.append(action_response(pipe, ep, foreign, args.tf_frames))
@@ -96,6 +105,7 @@ def main(argv=None):
         "turn_shift_model": float(np.mean([m for m, _ in turns])),
         "turn_shift_sim": float(np.mean([r for _, r in turns])),
         "turn_dx": args.turn_dx,
+        "sheet_every": args.sheet_every,
     }
     report["turn_following"] = report["turn_shift_model"] / report["turn_shift_sim"]
     if euler:
@@ -115,6 +125,8 @@ def main(argv=None):
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "psnr_curve.png", dpi=100)
+    if sheet:
+        plt.imsave(out / "rollouts.png", rollout_sheet(sheet, args.sheet_every))
     print(f"teacher-forced PSNR {report['teacher_forced_psnr']:.2f} dB, SSIM {report['teacher_forced_ssim']:.3f}; "
           f"AR PSNR@16 {report['ar_psnr_at_16'] or float('nan'):.2f}; action gap {report['action_gap_db']:.2f} dB; "
           f"copy-previous {report['copy_previous_psnr']:.2f} dB; action response {report['action_response_psnr']:.2f} dB; "

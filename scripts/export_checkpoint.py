@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from owl_wms.config import load_config
 from owl_wms.data import level_clip
+from owl_wms.training import WORLD_RECORD
 
 from .bench_pipeline import machine
 
@@ -75,7 +76,29 @@ def vae_row(vae: dict) -> str:
     return text
 
 
-def chain_commands(policy: str, train: dict, vae: dict) -> list[str]:
+def world_commands(train: dict, latents: str, export: str, world_dir: str = "work/world") -> list[str]:
+    """The train_world commands behind a world's training record; a fine-tune (``--init``)
+    is preceded by the commands of the world it started from and that world's export."""
+    lines = []
+    if train.get("init"):
+        base = train.get("base")
+        if base is None:
+            raise SystemExit(f"the world model was fine-tuned from {train['init']!r}, whose folder has no "
+                             f"{WORLD_RECORD}: MODEL.md cannot say how that world was trained")
+        base_dir = base.get("out", "work/world")
+        lines += world_commands(base, latents, export, base_dir)
+        lines += [f"{export}{'' if base_dir == 'work/world' else f' --world {base_dir}'} --out {train['init']}"
+                  "   # the world to fine-tune"]
+    out = "" if world_dir == "work/world" else f" --out {world_dir}"
+    for i, r in enumerate(train_world_commands(train)):
+        options = f" {r['options']}" if r["options"] else ""
+        what = (("# fine-tune" if train.get("init") else "# rectified flow + diffusion forcing") if i == 0 else
+                f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['steps']} steps")
+        lines += [f"python -m scripts.train_world{latents}{out} --batch {r['batch']} --steps {r['steps']}{options}   {what}"]
+    return lines
+
+
+def chain_commands(policy: str, train: dict, vae: dict, world_dir: str = "work/world") -> list[str]:
     """MODEL.md's recipe. The VAE always learns from the exploring policy's episodes; a world
     model trained on another policy's episodes gets its own data and latents folders."""
     vae_lines, vae_dir = vae_commands(vae)
@@ -88,16 +111,26 @@ def chain_commands(policy: str, train: dict, vae: dict) -> list[str]:
                   f"python -m scripts.encode_latents --data work/data_{policy} --out work/latents_{policy}   "
                   "# latents + measured vae_scale"]
         latents, data = f" --latents work/latents_{policy}", f" --data work/data_{policy}"
-    for i, r in enumerate(train_world_commands(train)):
-        options = f" {r['options']}" if r["options"] else ""
-        lines += [f"python -m scripts.train_world{latents} --batch {r['batch']} --steps {r['steps']}{options}   "
-                  + ("# rectified flow + diffusion forcing" if i == 0 else
-                     f"# resumes at step {r['from_step']} on the cosine schedule stretched to {r['steps']} steps")]
     export = f"python -m scripts.export_checkpoint{latents}{data}" + \
         ("" if vae_dir == "work/vae/final" else f" --vae {vae_dir}")
+    lines += world_commands(train, latents, export, world_dir)
+    if world_dir != "work/world":
+        export += f" --world {world_dir}"
     return lines + [f"{export}   # checkpoints/maze-world",
                     "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
                     f"{export} --eval eval/maze-world/eval.json   # MODEL.md with the evaluation"]
+
+
+def world_row(train: dict) -> str:
+    """MODEL.md's account of the world model's training, a fine-tune after its base."""
+    base = train.get("base") if train.get("init") else None
+    first = base or train
+    text = (f"{first['steps']} steps x batch {first['batch']} x {first['frames']} frames, final loss "
+            f"{first['final_loss']:.4f}, {minutes(first)}")
+    if base:
+        text += (f"; then {train['steps']} steps of fine-tuning x batch {train['batch']}, final loss "
+                 f"{train['final_loss']:.4f}, {minutes(train)}")
+    return text
 
 
 def db(value: float | None) -> str:
@@ -137,6 +170,7 @@ def main(argv=None):
     # the diffusers layout) keep every tracked file small; a small model stays one model.safetensors.
     save_torch_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, out, max_shard_size=SHARD_BYTES,
                           metadata={"trained": "true"})
+    (out / WORLD_RECORD).write_text(json.dumps(train, indent=2))  # a fine-tune of this world cites it
     vae_dir = world.resolve(world.decoder.path)
     shutil.rmtree(vae_dir, ignore_errors=True)
     shutil.copytree(args.vae, vae_dir, ignore=shutil.ignore_patterns("metrics.json"))
@@ -166,7 +200,7 @@ def main(argv=None):
         f"{world.model.sample_size}x{world.model.sample_size} latents, window {world.pipeline.window_frames} frames) "
         "trained from scratch on our maze simulator (owl_wms/simulator.py). Recreate it with:", "",
         "```",
-        *chain_commands(manifest.get("policy", "explore"), train, vae_metrics),
+        *chain_commands(manifest.get("policy", "explore"), train, vae_metrics, args.world),
         "```", "",
         "Every stage is seeded and resumable and takes `--device` (cuda when present). Wall times below are",
         "each stage's runs on the machine named (all of them for a stage stopped and resumed), while other",
@@ -178,8 +212,7 @@ def main(argv=None):
         f"| VAE held-out reconstruction PSNR | {vae_metrics['held_out_psnr_db']:.2f} dB "
         f"({vae_row(vae_metrics)}) |",
         f"| encode | vae_scale (latent std) {stats['vae_scale']:.4f}, {minutes(stats)} |",
-        f"| world model | {train['steps']} steps x batch {train['batch']} x {train['frames']} frames, final loss "
-        f"{train['final_loss']:.4f}, {minutes(train)} |",
+        f"| world model | {world_row(train)} |",
     ]
     if ev:
         euler = next((k for k in ev if k.startswith("teacher_forced_psnr_euler")), None)
@@ -202,9 +235,13 @@ def main(argv=None):
                      "columns/frame) |"] if "turn_following" in ev else []),
                   f"| held-out level seeds | {ev['seeds'][0]}..{ev['seeds'][-1]} (training used 0..{manifest.get('episodes', 256) - 1}) |",
                   "", f"Evaluation command: `{ev['command']}`; per-frame curve: `eval_curve.png`."]
-        curve = Path(args.eval).with_name("psnr_curve.png")
+        curve, sheet = (Path(args.eval).with_name(n) for n in ("psnr_curve.png", "rollouts.png"))
         if curve.is_file():
             shutil.copyfile(curve, out / "eval_curve.png")
+        if sheet.is_file():
+            shutil.copyfile(sheet, out / "eval_rollouts.png")
+            lines += [f"Autoregressive rollouts of the first held-out levels, every "
+                      f"one frame in {ev.get('sheet_every', 4)} (simulator above, model below): `eval_rollouts.png`."]
     (out / "MODEL.md").write_text("\n".join(lines) + "\n")
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     print(f"exported {out} ({size_mb:.1f} MB)")

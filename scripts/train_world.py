@@ -19,13 +19,13 @@ from tqdm import tqdm
 
 from owl_wms.config import load_config
 from owl_wms.loading import load_weights, read_state_dict
-from owl_wms.training import RunLog, load_training_state, save_training_state
+from owl_wms.training import WORLD_RECORD, RunLog, load_training_state, save_training_state
 from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
 
 # Flags that change what is trained (not where it is read, written or run), so MODEL.md's
 # recipe repeats the ones a run set away from their defaults.
-RECIPE_FLAGS = ("frames", "lr", "ema", "pipeline_frac", "target_frac", "seed", "init", "fp32", "compile")
+RECIPE_FLAGS = ("frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "seed", "init", "fp32", "compile")
 
 
 def recipe_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
@@ -35,6 +35,13 @@ def recipe_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         if value != parser.get_default(name):
             out.append(flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
     return " ".join(out)
+
+
+def base_record(init: str) -> dict | None:
+    """The training record of the world a fine-tune starts from (export_checkpoint keeps it in
+    the checkpoint), so MODEL.md can list the whole chain; None when it has none."""
+    path = Path(init) / WORLD_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-frac", type=float, default=0.5, help="share of pipeline-shaped noise samples")
     p.add_argument("--target-frac", type=float, default=0.0,
                    help="in pipeline-shaped samples, chance that each earlier frame is also a next-frame target")
+    p.add_argument("--self-history", type=float, default=0.0,
+                   help="chance that each streaming-history frame of a pipeline-shaped sample is "
+                        "replaced by the model's own sample, as the pipeline caches it (exposure bias)")
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="checkpoint folder to fine-tune (default: random weights)")
@@ -71,6 +81,10 @@ def main(argv=None):
     if init is not None and init.model != world.model:
         raise SystemExit(f"error: --init {args.init} holds a model unlike --config {args.config}'s; "
                          f"pass that checkpoint's config.yaml as --config")
+    if args.self_history and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
+        raise SystemExit(f"error: --self-history needs the history level (pipeline.history_alpha "
+                         f"{world.pipeline.history_alpha}) to be the schedule's cache-write level "
+                         f"{world.pipeline.schedule[-2]}; drop --self-history or align the config")
     vae_scale = init.vae_scale if init is not None else stats["vae_scale"]
     data = LatentEpisodes(args.latents, vae_scale, frames)
     torch.manual_seed(args.seed)
@@ -99,7 +113,8 @@ def main(argv=None):
         t = sample_times(x.shape[0], x.shape[1], gen, args.pipeline_frac, world.pipeline.history_alpha,
                          world.pipeline.schedule, args.target_frac)
         loss = train_step(model, ema, opt, sched, x.to(args.device), m.to(args.device), b.to(args.device), t, gen,
-                          args.ema, bf16=not args.fp32)
+                          args.ema, bf16=not args.fp32, self_history_share=args.self_history,
+                          schedule=tuple(world.pipeline.schedule))
         step += 1
         losses.append(loss.item())
         bar.update(1)
@@ -110,7 +125,8 @@ def main(argv=None):
     torch.save(ema.core.state_dict(), out / "ema_core.pt")
     metrics_path.write_text(json.dumps({
         "steps": args.steps, "batch": args.batch, "frames": frames, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-        **clock.record(args.steps), "vae_scale": vae_scale, "init": args.init}, indent=2))
+        **clock.record(args.steps), "vae_scale": vae_scale, "init": args.init, "out": args.out,
+        **({"base": base_record(args.init)} if args.init else {})}, indent=2))
     print(f"trained {args.steps} steps; EMA weights -> {out / 'ema_core.pt'}")
 
 

@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from owl_wms.evaluation import frame_metrics
 
@@ -32,6 +33,23 @@ def test_eval_command_on_two_short_episodes(tmp_path):
     assert abs(report["ar_psnr_gap_range"] - report["ar_psnr_foreign_actions_gap_range"]
                - report["action_gap_db"]) < 1e-9
     assert (tmp_path / "psnr_curve.png").stat().st_size > 1000
+    import matplotlib.image
+
+    sheet = matplotlib.image.imread(tmp_path / "rollouts.png")  # 2 episodes x (simulator, model), frames 1 and 5
+    assert sheet.shape[:2] == (2 * 2 * 64 + 2, 2 * 64)
+
+
+def test_rollout_sheet_puts_the_real_frames_above_the_predictions():
+    from owl_wms.evaluation import rollout_sheet
+
+    real = np.zeros((6, 4, 4, 3), np.uint8)
+    pred = np.full((6, 4, 4, 3), 100, np.uint8)
+    pred[2, 0, 0] = 7
+    sheet = rollout_sheet([(real, pred), (real, pred)], every=2, gap=1)
+    assert sheet.shape == (4 * 4 + 1, 3 * 4, 3)  # columns: frames 1, 3, 5
+    assert (sheet[:4] == 0).all() and sheet[4, 4, 0] == 7 and (sheet[8] == 255).all()
+    with pytest.raises(ValueError, match="differ in shape"):
+        rollout_sheet([(real, pred[:5])], every=2)
 
 
 def test_action_response_isolates_the_actions():

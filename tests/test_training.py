@@ -8,7 +8,7 @@ import torch
 from owl_wms.config import load_config
 from owl_wms.model import GameRFT
 from owl_wms.training.vae import build_autoencoder, vae_loss
-from owl_wms.training.world import flow_loss, sample_times
+from owl_wms.training.world import flow_loss, own_history, sample_times
 
 from .conftest import REPO
 
@@ -145,9 +145,22 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert kept.keys() == shipped.keys() and all(torch.equal(kept[k], shipped[k].float()) for k in kept)
     record = json.loads((tmp_path / "ft0" / "train_metrics.json").read_text())
     assert record["vae_scale"] == pipe.vae_scale and record["init"] == str(tmp_path / "ckpt")
-    train_world.main(tune + ["--out", str(tmp_path / "ft"), "--steps", "1"])
+    train_world.main(tune + ["--out", str(tmp_path / "ft"), "--steps", "1", "--self-history", "1"])
     tuned = torch.load(tmp_path / "ft" / "ema_core.pt", weights_only=True)
     assert any(not torch.equal(tuned[k], kept[k]) for k in kept)
+    # the fine-tune's MODEL.md lists the whole chain: the base world, its export, the fine-tune
+    record = json.loads((tmp_path / "ft" / "train_metrics.json").read_text())
+    assert record["base"] == json.loads((tmp_path / "world" / "train_metrics.json").read_text())
+    export_checkpoint.main([*export[:6], "--world", str(tmp_path / "ft"), "--out", str(tmp_path / "ckpt_ft"),
+                            *export[-4:]])
+    recipe = [line.split("#")[0].strip() for line in (tmp_path / "ckpt_ft" / "MODEL.md").read_text().splitlines()
+              if "scripts.train_world" in line or "scripts.export_checkpoint" in line]
+    assert recipe[0].endswith(f"--out {tmp_path / 'world'} --batch 2 --steps 2")
+    assert recipe[3].endswith(f"--world {tmp_path / 'world'} --out {tmp_path / 'ckpt'}")  # the base's export
+    assert recipe[4] == (f"python -m scripts.train_world --out {tmp_path / 'ft'} --batch 2 --steps 1 "
+                         f"--self-history 1 --init {tmp_path / 'ckpt'}")
+    assert recipe[5].endswith(f"--world {tmp_path / 'ft'}")
+    assert "; then 1 steps of fine-tuning x batch 2" in (tmp_path / "ckpt_ft" / "MODEL.md").read_text()
 
     # evaluate a training run's weights in the checkpoint's world, on lively-policy episodes
     from scripts import eval_world
@@ -162,6 +175,7 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
     assert f"{report['teacher_forced_psnr']:.2f} dB" in card
     assert "frame 16 | not measured" in card  # a 3-frame evaluation has no frame 16
+    assert "`eval_rollouts.png`" in card and (tmp_path / "ckpt" / "eval_rollouts.png").is_file()
     assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
     with pytest.raises(SystemExit, match="holds a model unlike"):
         train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
@@ -238,6 +252,51 @@ def test_world_model_training_lowers_the_loss():
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+
+
+def tiny_world_model(layers: int = 2):
+    world = load_config(REPO / "configs" / "maze_world.yaml")
+    cfg = world.model.__class__(**{**world.model.to_dict(), "n_layers": layers, "d_model": 128, "n_heads": 2})
+    torch.manual_seed(0)
+    return GameRFT(cfg), cfg
+
+
+def test_self_history_conditions_on_the_models_own_samples():
+    model, cfg = tiny_world_model()
+    sched = (1.0, 0.25, 0.0)
+    x = torch.randn(2, 5, cfg.channels, 8, 8)
+    m, b = torch.randn(2, 5, 2), (torch.rand(2, 5, 11) > 0.5).float()
+    t = sample_times(2, 5, torch.Generator().manual_seed(0), 1.0, 0.25, sched)  # all history at 0.25
+    moved = x.clone()
+    moved[:, :-1] += 1.0  # other real history
+    loss = {(share, name): flow_loss(model.core, clip, m, b, t, torch.Generator().manual_seed(1), share, sched).item()
+            for share in (0.0, 1.0) for name, clip in (("real", x), ("moved", moved))}
+    # Off: the real history is what the target frame sees; every history frame swapped for the
+    # model's own samples: the loss no longer depends on it.
+    assert loss[(0.0, "real")] != pytest.approx(loss[(0.0, "moved")], rel=1e-3)
+    assert loss[(1.0, "real")] == pytest.approx(loss[(1.0, "moved")], rel=1e-6)
+    # Off draws nothing extra: the generator ends where the plain loss leaves it.
+    g0, g1 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    flow_loss(model.core, x, m, b, t, g0, 0.0, sched)
+    torch.randn(x.shape, generator=g1)
+    assert torch.equal(g0.get_state(), g1.get_state())
+
+
+def test_own_history_is_the_pipelines_cached_state():
+    """A swapped frame becomes z - 0.75 v(z, t=1), the state the pipeline writes to its cache."""
+    model, cfg = tiny_world_model()
+    x_t = torch.randn(1, 3, cfg.channels, 8, 8)
+    z = torch.randn_like(x_t)
+    m, b = torch.randn(1, 3, 2), torch.zeros(1, 3, 11)
+    t = torch.full((1, 3), 0.25)
+    chosen = torch.tensor([[False, True, False]])
+    out = own_history(model.core, x_t, z, t, chosen, m, b, (1.0, 0.25, 0.0))
+    seen = x_t[:, :2].clone()  # causal: frame 1 sees frame 0 and itself, starting from its noise
+    seen[:, 1] = z[:, 1]
+    with torch.no_grad():
+        v = model.core(seen, torch.tensor([[0.25, 1.0]]), m[:, :2], b[:, :2])
+    assert torch.equal(out[:, [0, 2]], x_t[:, [0, 2]])
+    torch.testing.assert_close(out[:, 1], z[:, 1] - 0.75 * v[:, 1], rtol=1e-4, atol=1e-5)
 
 
 def test_pipeline_shaped_times():

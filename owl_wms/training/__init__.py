@@ -2,6 +2,10 @@
 import math
 import time
 
+# A checkpoint's record of its world model's training (scripts.train_world's metrics, written
+# by scripts.export_checkpoint), so a fine-tune of it can say in MODEL.md how it was made.
+WORLD_RECORD = "world_training.json"
+
 
 def warmup_cosine(total_steps: int, warmup_steps: int):
     """LR multiplier for LambdaLR: linear warm-up, then cosine decay to 0 at ``total_steps``.

@@ -66,12 +66,46 @@ def sample_times(b: int, n: int, gen: torch.Generator, pipeline_frac: float, alp
     return t
 
 
-def flow_loss(core, x, mouse, buttons, t, gen: torch.Generator):
+def flow_loss(core, x, mouse, buttons, t, gen: torch.Generator, self_history_share: float = 0.0,
+              schedule: tuple[float, ...] = (1.0, 0.25, 0.0)):
+    """Rectified-flow loss; ``self_history_share`` > 0: see ``own_history`` (0 draws nothing extra)."""
     z = torch.randn(x.shape, generator=gen).to(x)
     tt = t[:, :, None, None, None].to(x)
     x_t = (1 - tt) * x + tt * z
+    keep = None
+    if self_history_share > 0:
+        chosen = torch.zeros(t.shape, dtype=torch.bool)
+        chosen[:, :-1] = (t[:, :-1] == schedule[-2]) & (torch.rand(t.shape[0], t.shape[1] - 1, generator=gen)
+                                                        < self_history_share)
+        if chosen.any():
+            x_t = own_history(core, x_t, z, t, chosen.to(x.device), mouse.to(x), buttons.to(x), schedule)
+            keep = (~chosen).to(x)
     v = core(x_t, t.to(x), mouse.to(x), buttons.to(x))
-    return F.mse_loss(v.float(), (z - x).float())
+    if keep is None:
+        return F.mse_loss(v.float(), (z - x).float())
+    # A swapped frame's input no longer denoises to its real frame: it is not scored.
+    err = (v.float() - (z - x).float()).pow(2).mean(dim=(2, 3, 4))
+    return (err * keep).sum() / keep.sum()
+
+
+@torch.no_grad()
+def own_history(core, x_t, z, t, chosen, mouse, buttons, schedule: tuple[float, ...]):
+    """Swap history frames for the model's own samples, as the pipeline makes them (exposure bias).
+
+    At inference a generated frame enters the window as the sampler's state at the cache-write
+    step (for 1 -> 0.25 -> 0: ``z - 0.75 v1`` at t = 0.25), blurrier than a real frame noised to
+    0.25, and errors compound. Here each ``chosen`` frame (one held at that level) is sampled
+    from its noise ``z`` by the same Euler steps, conditioned on the other frames of the clip
+    as the training input shows them (no gradient, the whole batch so shapes stay fixed); the
+    step then learns to predict the real frames from that history.
+    """
+    pick = chosen[:, :, None, None, None]
+    x_t = torch.where(pick, z, x_t)
+    for level, nxt in zip(schedule[:-2], schedule[1:-1]):
+        tl = t.to(x_t).masked_fill(chosen, level)
+        v = core(x_t, tl, mouse, buttons)
+        x_t = torch.where(pick, x_t - (level - nxt) * v.to(x_t), x_t)
+    return x_t
 
 
 def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile: bool = False):
@@ -88,11 +122,12 @@ def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile:
 
 
 def train_step(model, ema, opt, sched, x, mouse, buttons, t, gen: torch.Generator, ema_decay: float,
-               bf16: bool = True) -> torch.Tensor:
+               bf16: bool = True, self_history_share: float = 0.0,
+               schedule: tuple[float, ...] = (1.0, 0.25, 0.0)) -> torch.Tensor:
     """One optimisation step of scripts.train_world (autocast, clipped AdamW, schedule, EMA);
-    the loss, unsynchronised."""
+    the loss, unsynchronised. ``self_history_share``: see ``flow_loss``."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = flow_loss(model.core, x, mouse, buttons, t, gen)
+        loss = flow_loss(model.core, x, mouse, buttons, t, gen, self_history_share, schedule)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
