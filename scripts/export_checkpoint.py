@@ -240,8 +240,8 @@ def main(argv=None):
             shutil.copyfile(curve, out / "eval_curve.png")
         if sheet.is_file():
             shutil.copyfile(sheet, out / "eval_rollouts.png")
-            lines += [f"Autoregressive rollouts of the first held-out levels, every "
-                      f"one frame in {ev.get('sheet_every', 4)} (simulator above, model below): `eval_rollouts.png`."]
+            lines += [f"Autoregressive rollouts of the first held-out levels, one frame in "
+                      f"{ev.get('sheet_every', 4)} (simulator above, model below): `eval_rollouts.png`."]
     (out / "MODEL.md").write_text("\n".join(lines) + "\n")
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     print(f"exported {out} ({size_mb:.1f} MB)")
