@@ -73,6 +73,8 @@ def vae_row(vae: dict) -> str:
     if vae.get("init"):
         text += (f"; then {vae['steps']} steps of decoder-only fine-tuning, {minutes(vae)}, "
                  f"from {base['held_out_psnr_db']:.2f} dB")
+    if vae.get("restored"):
+        text += f"; {vae['restored']}"
     return text
 
 
@@ -173,7 +175,8 @@ def main(argv=None):
     (out / WORLD_RECORD).write_text(json.dumps(train, indent=2))  # a fine-tune of this world cites it
     vae_dir = world.resolve(world.decoder.path)
     shutil.rmtree(vae_dir, ignore_errors=True)
-    shutil.copytree(args.vae, vae_dir, ignore=shutil.ignore_patterns("metrics.json"))
+    # metrics.json (the VAE's training record) goes along: a later export can take this folder as --vae
+    shutil.copytree(args.vae, vae_dir)
 
     from owl_wms.vae import load_decoder
 
