@@ -174,9 +174,11 @@ def main(argv=None):
                           metadata={"trained": "true"})
     (out / WORLD_RECORD).write_text(json.dumps(train, indent=2))  # a fine-tune of this world cites it
     vae_dir = world.resolve(world.decoder.path)
-    shutil.rmtree(vae_dir, ignore_errors=True)
-    # metrics.json (the VAE's training record) goes along: a later export can take this folder as --vae
-    shutil.copytree(args.vae, vae_dir)
+    # metrics.json (the VAE's training record) goes along: a later export can take this folder as
+    # --vae, even re-exporting into the same checkpoint (then it is already in place, not wiped)
+    if Path(args.vae).resolve() != vae_dir.resolve():
+        shutil.rmtree(vae_dir, ignore_errors=True)
+        shutil.copytree(args.vae, vae_dir)
 
     from owl_wms.vae import load_decoder
 

@@ -124,11 +124,14 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     export_checkpoint.main(export)
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
     assert card.count("|") > 10 and "3 episodes x 24 frames, explore policy" in card
-    vae_steps = json.loads((chain / "vae" / "final" / "metrics.json").read_text())["steps"]
-    assert f"python -m scripts.train_vae --steps {vae_steps} " in card  # the recipe makes this VAE
-    # the VAE's training record travels with it, so the checkpoint's vae/ can be a later --vae
     vae_record = (chain / "vae" / "final" / "metrics.json").read_text()
+    assert f"python -m scripts.train_vae --steps {json.loads(vae_record)['steps']} " in card  # the recipe makes this VAE
+    # the VAE's training record travels with it, so the checkpoint's vae/ can be a later --vae,
+    # also when re-exporting into the same checkpoint
     assert (tmp_path / "ckpt" / "vae" / "metrics.json").read_text() == vae_record
+    export_checkpoint.main([*export[:2], "--vae", str(tmp_path / "ckpt" / "vae"), *export[4:]])
+    assert (tmp_path / "ckpt" / "vae" / "metrics.json").read_text() == vae_record
+    assert card == (tmp_path / "ckpt" / "MODEL.md").read_text()
     pipe = CausvidPipeline.from_checkpoint(tmp_path / "ckpt", verbose=False)
     assert pipe.vae_scale == json.loads((chain / "latents" / "stats.json").read_text())["vae_scale"]
     assert len(pipe.clip_paths) == 2 and pipe([0, 0], [1] + [0] * 10)[0].shape == (64, 64, 3)
