@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from owl_wms.training import RunLog, file_stage_time
 from owl_wms.vae import FrameDecoder, autoencoder_class
 
 
@@ -34,14 +34,14 @@ def main(argv=None):
     coder = FrameDecoder(ae, ae.config.latent_channels)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     episodes = sorted(Path(args.data).glob("ep_*.safetensors"))
     if not episodes:
         raise SystemExit(f"error: no episodes in {args.data}; run scripts.generate_data first")
-    for ep in tqdm(episodes, desc="encode", unit="ep"):
+    before = json.loads((out / "stats.json").read_text()) if (out / "stats.json").is_file() else {}
+    todo = [ep for ep in episodes if not (out / ep.name).exists()]
+    clock = RunLog(before.get("runs", []), len(episodes) - len(todo), 1, len(episodes))
+    for ep in tqdm(todo, desc="encode", unit="ep", initial=len(episodes) - len(todo), total=len(episodes)):
         final = out / ep.name
-        if final.exists():
-            continue
         with safe_open(str(ep), "pt") as f:
             meta = f.metadata()
         t = load_file(str(ep))
@@ -51,7 +51,7 @@ def main(argv=None):
         os.replace(tmp, final)
     sample = torch.cat([load_file(str(p))["latents"] for p in sorted(out.glob("ep_*.safetensors"))[:64]])
     stats = {"vae_scale": float(sample.std()), "mean": float(sample.mean()), "channels": int(sample.shape[1]),
-             "seconds_this_run": time.time() - t0}
+             **file_stage_time(before, clock, len(episodes), bool(todo))}
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     print(f"encoded {len(episodes)} episodes; vae_scale={stats['vae_scale']:.4f}")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from tqdm import tqdm
 
 from owl_wms.data import POLICY_STYLES, rollout_episode
 from owl_wms.simulator import SimConfig
+from owl_wms.training import RunLog, file_stage_time
 
 
 def main(argv=None):
@@ -37,14 +37,14 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     cfg = SimConfig(width=args.size, height=args.size)
     manifest = out / "manifest.json"
-    if manifest.is_file():  # resuming: never mix episodes of two policies or sizes in one folder
-        before = json.loads(manifest.read_text())
+    before = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    if before:  # resuming: never mix episodes of two policies or sizes in one folder
         for key, now in (("policy", args.policy), ("size", args.size), ("frames", args.frames)):
             if before.get(key, "explore" if key == "policy" else None) != now:
                 raise SystemExit(f"error: {out} holds episodes made with --{key} {before.get(key)}; this run asks "
                                  f"for {now}. Use another --out, or delete {out} to start over")
-    t0 = time.time()
     todo = [s for s in range(args.seed, args.seed + args.episodes) if not (out / f"ep_{s:06d}.safetensors").exists()]
+    clock = RunLog(before.get("runs", []), args.episodes - len(todo), 1, args.episodes)
     for level in tqdm(todo, desc="episodes", unit="ep", initial=args.episodes - len(todo), total=args.episodes):
         frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg, style=args.policy)
         final = out / f"ep_{level:06d}.safetensors"
@@ -54,7 +54,7 @@ def main(argv=None):
         os.replace(tmp, final)
     manifest.write_text(json.dumps({
         "episodes": args.episodes, "frames": args.frames, "size": args.size, "first_seed": args.seed, "policy": args.policy,
-        "supersample": cfg.supersample, "seconds_this_run": time.time() - t0}, indent=2))
+        "supersample": cfg.supersample, **file_stage_time(before, clock, args.episodes, bool(todo))}, indent=2))
     print(f"{args.episodes} episodes of {args.frames} frames in {out}")
 
 

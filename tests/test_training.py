@@ -50,6 +50,34 @@ def test_stages_resume(chain, capsys):
                             "--policy", "lively"])
 
 
+def test_file_stages_keep_their_time_over_reruns(chain, tmp_path):
+    """generate_data and encode_latents add each run that made files to their record; a rerun
+    with nothing left to make keeps the earlier time (MODEL.md once said 0.0 min after one)."""
+    from scripts import encode_latents, generate_data
+
+    def record(path):
+        rec = json.loads(path.read_text())
+        return {k: rec[k] for k in ("seconds_this_run", "seconds_all_runs", "runs")}
+
+    data, lat = tmp_path / "data", tmp_path / "latents"
+    stages = [(lambda n: generate_data.main(["--out", str(data), "--episodes", str(n), "--frames", "8"]),
+               data / "manifest.json"),
+              (lambda n: encode_latents.main(["--data", str(data), "--vae", str(chain / "vae" / "final"),
+                                              "--out", str(lat)]), lat / "stats.json")]
+    for n in (1, 1, 2, 2):  # make, rerun with nothing to do, make one more, rerun again
+        for run, path in stages:
+            before = record(path) if path.is_file() else None
+            run(n)
+            after = record(path)
+            made = before is None or len(after["runs"]) > len(before["runs"])
+            assert made == (before is None or n == 2 and before["runs"][-1]["target"] == 1), (path, n)
+            if not made:
+                assert after == before, path
+            assert after["seconds_all_runs"] == pytest.approx(sum(r["seconds"] for r in after["runs"]))
+    for _, path in stages:
+        assert [(r["from_step"], r["to_step"], r["target"]) for r in record(path)["runs"]] == [(0, 1, 1), (1, 2, 2)]
+
+
 def test_decoder_only_fine_tune_keeps_the_encoder(chain, tmp_path):
     """--init ... --decoder-only trains the decoder alone: the encoder, and so the latents a world
     model learned from, stay bit-identical; the metrics keep the base run's for MODEL.md."""

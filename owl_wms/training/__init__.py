@@ -40,6 +40,15 @@ class RunLog:
                 "runs": runs}
 
 
+def file_stage_time(previous: dict, clock: RunLog, done: int, made_any: bool) -> dict:
+    """Time fields of a stage that makes one file per item (generate_data, encode_latents):
+    a rerun that found every file already made keeps the earlier runs' times, rather than
+    recording the 0 s it took, so MODEL.md still states what the stage costs."""
+    if not made_any and "seconds_this_run" in previous:
+        return {k: previous[k] for k in ("seconds_this_run", "seconds_all_runs", "runs") if k in previous}
+    return clock.record(done)
+
+
 def save_training_state(path, step: int, generator, runs: list[dict], **parts) -> None:
     """Save ``parts`` (modules, optimizers, schedulers: anything with ``state_dict``), the
     step, the data generator's state and the ``RunLog`` records, so a stopped run resumes
