@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from owl_wms.training import RunLog, file_stage_time
+from owl_wms.training import file_stage_clock
 from owl_wms.vae import FrameDecoder, autoencoder_class
 
 
@@ -39,7 +39,7 @@ def main(argv=None):
         raise SystemExit(f"error: no episodes in {args.data}; run scripts.generate_data first")
     before = json.loads((out / "stats.json").read_text()) if (out / "stats.json").is_file() else {}
     todo = [ep for ep in episodes if not (out / ep.name).exists()]
-    clock = RunLog(before.get("runs", []), len(episodes) - len(todo), 1, len(episodes))
+    stage_time = file_stage_clock(before, len(episodes), len(todo))
     for ep in tqdm(todo, desc="encode", unit="ep", initial=len(episodes) - len(todo), total=len(episodes)):
         final = out / ep.name
         with safe_open(str(ep), "pt") as f:
@@ -51,7 +51,7 @@ def main(argv=None):
         os.replace(tmp, final)
     sample = torch.cat([load_file(str(p))["latents"] for p in sorted(out.glob("ep_*.safetensors"))[:64]])
     stats = {"vae_scale": float(sample.std()), "mean": float(sample.mean()), "channels": int(sample.shape[1]),
-             **file_stage_time(before, clock, len(episodes), bool(todo))}
+             **stage_time()}
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     print(f"encoded {len(episodes)} episodes; vae_scale={stats['vae_scale']:.4f}")
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from owl_wms.data import POLICY_STYLES, rollout_episode
 from owl_wms.simulator import SimConfig
-from owl_wms.training import RunLog, file_stage_time
+from owl_wms.training import file_stage_clock
 
 
 def main(argv=None):
@@ -44,7 +44,7 @@ def main(argv=None):
                 raise SystemExit(f"error: {out} holds episodes made with --{key} {before.get(key)}; this run asks "
                                  f"for {now}. Use another --out, or delete {out} to start over")
     todo = [s for s in range(args.seed, args.seed + args.episodes) if not (out / f"ep_{s:06d}.safetensors").exists()]
-    clock = RunLog(before.get("runs", []), args.episodes - len(todo), 1, args.episodes)
+    stage_time = file_stage_clock(before, args.episodes, len(todo))
     for level in tqdm(todo, desc="episodes", unit="ep", initial=args.episodes - len(todo), total=args.episodes):
         frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg, style=args.policy)
         final = out / f"ep_{level:06d}.safetensors"
@@ -54,7 +54,7 @@ def main(argv=None):
         os.replace(tmp, final)
     manifest.write_text(json.dumps({
         "episodes": args.episodes, "frames": args.frames, "size": args.size, "first_seed": args.seed, "policy": args.policy,
-        "supersample": cfg.supersample, **file_stage_time(before, clock, args.episodes, bool(todo))}, indent=2))
+        "supersample": cfg.supersample, **stage_time()}, indent=2))
     print(f"{args.episodes} episodes of {args.frames} frames in {out}")
 
 

@@ -40,13 +40,19 @@ class RunLog:
                 "runs": runs}
 
 
-def file_stage_time(previous: dict, clock: RunLog, done: int, made_any: bool) -> dict:
-    """Time fields of a stage that makes one file per item (generate_data, encode_latents):
-    a rerun that found every file already made keeps the earlier runs' times, rather than
-    recording the 0 s it took, so MODEL.md still states what the stage costs."""
-    if not made_any and "seconds_this_run" in previous:
-        return {k: previous[k] for k in ("seconds_this_run", "seconds_all_runs", "runs") if k in previous}
-    return clock.record(done)
+def file_stage_clock(previous: dict, total: int, todo: int):
+    """Timer of a stage that makes one file per item (generate_data, encode_latents), given its
+    earlier record, how many files it makes in all and how many this run still has to make.
+    Returns a function that gives the record's time fields: a rerun that found every file
+    already made keeps the earlier runs' times, rather than recording the 0 s it took, so
+    MODEL.md still states what the stage costs; a resumed run adds its own time to theirs."""
+    clock = RunLog(previous.get("runs", []), total - todo, 1, total)
+
+    def record() -> dict:
+        if not todo and "seconds_this_run" in previous:
+            return {k: previous[k] for k in ("seconds_this_run", "seconds_all_runs", "runs") if k in previous}
+        return clock.record(total)
+    return record
 
 
 def save_training_state(path, step: int, generator, runs: list[dict], **parts) -> None:
