@@ -53,11 +53,16 @@ def main(argv=None):
                    help="episodes shown in rollouts.png (simulator above model, autoregressive)")
     p.add_argument("--sheet-every", type=int, default=4, help="frame step between rollouts.png columns")
     p.add_argument("--euler-steps", type=int, default=0, help="also score an N-step Euler sampler (0: skip)")
+    p.add_argument("--schedule", type=float, nargs="+", default=None,
+                   help="sampler noise levels from 1 to 0 (default: the checkpoint's; the cache is written "
+                        "at the last step), e.g. many Euler steps to the cache-write level to score a teacher")
     p.add_argument("--out", default="eval")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pipe = CausvidPipeline.from_checkpoint(args.checkpoint, ckpt_path=args.weights, clip=None)
+    if args.schedule:
+        pipe.schedule = tuple(args.schedule)
     pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise
     seeds = [HELD_OUT_SEED + args.seed_offset + i for i in range(args.episodes)]
     lo, hi = args.gap_range
@@ -86,7 +91,7 @@ def main(argv=None):
     report = {
         "command": " ".join(["python -m scripts.eval_world", *sys.argv[1:]]),
         "checkpoint": args.checkpoint, "weights": args.weights, "world": pipe.world.name, "seeds": seeds,
-        "policy": args.policy,
+        "policy": args.policy, "schedule": list(pipe.schedule),
         "teacher_forced_psnr": float(np.mean([x[0] for r in tf for x in r])),
         "teacher_forced_ssim": float(np.mean([x[1] for r in tf for x in r])),
         "ar_psnr": ar_psnr, "ar_ssim": ar_ssim,

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from owl_wms.config import load_config
+from owl_wms.model import GameRFT
 from owl_wms.loading import load_weights, read_state_dict
 from owl_wms.training import WORLD_RECORD, RunLog, load_training_state, save_training_state
 from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
@@ -25,7 +26,8 @@ from owl_wms.training.world import LatentEpisodes, sample_times, train_step, wor
 
 # Flags that change what is trained (not where it is read, written or run), so MODEL.md's
 # recipe repeats the ones a run set away from their defaults.
-RECIPE_FLAGS = ("frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "seed", "init", "fp32", "compile")
+RECIPE_FLAGS = ("frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "distill", "seed", "init",
+                "fp32", "compile")
 
 
 def recipe_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
@@ -60,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--self-history", type=float, default=0.0,
                    help="chance that each streaming-history frame of a pipeline-shaped sample is "
                         "replaced by the model's own sample, as the pipeline caches it (exposure bias)")
+    p.add_argument("--distill", type=int, default=0, metavar="STEPS",
+                   help="with --init: step distillation of the sampler's first step; its target is the "
+                        "--init model's STEPS-step Euler solve to the next level (0: off)")
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="checkpoint folder to fine-tune (default: random weights)")
@@ -85,6 +90,10 @@ def main(argv=None):
         raise SystemExit(f"error: --self-history needs the history level (pipeline.history_alpha "
                          f"{world.pipeline.history_alpha}) to be the schedule's cache-write level "
                          f"{world.pipeline.schedule[-2]}; drop --self-history or align the config")
+    if args.distill and init is None:
+        raise SystemExit(f"error: --distill {args.distill} needs a teacher: pass the trained checkpoint as --init")
+    if args.distill < 0:
+        raise SystemExit(f"error: --distill {args.distill} must be a number of Euler steps (> 0) or 0 for off")
     vae_scale = init.vae_scale if init is not None else stats["vae_scale"]
     data = LatentEpisodes(args.latents, vae_scale, frames)
     torch.manual_seed(args.seed)
@@ -106,6 +115,11 @@ def main(argv=None):
         state = read_state_dict(weights)  # read once: load_weights copies it into each module
         for net in (model, ema):
             load_weights(net, state, str(weights))
+    teacher = None
+    if args.distill:  # the --init weights, frozen (also on resume: they are read from --init again)
+        weights = Path(args.init) / "model.safetensors"
+        teacher = GameRFT(world.model).to(args.device).eval().requires_grad_(False)
+        load_weights(teacher, read_state_dict(weights), str(weights))
     losses = []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
     while step < args.steps:
@@ -114,7 +128,8 @@ def main(argv=None):
                          world.pipeline.schedule, args.target_frac)
         loss = train_step(model, ema, opt, sched, x.to(args.device), m.to(args.device), b.to(args.device), t, gen,
                           args.ema, bf16=not args.fp32, self_history_share=args.self_history,
-                          schedule=tuple(world.pipeline.schedule))
+                          schedule=tuple(world.pipeline.schedule), teacher=teacher.core if teacher else None,
+                          teacher_steps=args.distill)
         step += 1
         losses.append(loss.item())
         bar.update(1)

@@ -8,7 +8,7 @@ import torch
 from owl_wms.config import load_config
 from owl_wms.model import GameRFT
 from owl_wms.training.vae import build_autoencoder, vae_loss
-from owl_wms.training.world import flow_loss, own_history, sample_times
+from owl_wms.training.world import flow_loss, own_history, sample_times, teacher_first_step
 
 from .conftest import REPO
 
@@ -331,6 +331,64 @@ def test_own_history_is_the_pipelines_cached_state():
         v = model.core(seen, torch.tensor([[0.25, 1.0]]), m[:, :2], b[:, :2])
     assert torch.equal(out[:, [0, 2]], x_t[:, [0, 2]])
     torch.testing.assert_close(out[:, 1], z[:, 1] - 0.75 * v[:, 1], rtol=1e-4, atol=1e-5)
+
+
+def test_teacher_first_step_is_the_euler_solve_of_the_whole_clip():
+    """The cached teacher (history prefilled once, only the last frame stepped) gives the velocity
+    of the straight jump from the noise to where K Euler steps of the full clip reach."""
+    model, cfg = tiny_world_model()
+    sched, k = (1.0, 0.25, 0.0), 3
+    g = torch.Generator().manual_seed(2)
+    x_t = torch.randn(2, 4, cfg.channels, 8, 8, generator=g)
+    m, b = torch.randn(2, 4, 2, generator=g), (torch.rand(2, 4, 11, generator=g) > 0.5).float()
+    t = torch.full((2, 4), 0.25)
+    t[:, -1] = 1.0
+    target = teacher_first_step(model.core, x_t, t, m, b, sched, k)
+    x, tl = x_t.clone(), t.clone()
+    with torch.no_grad():
+        for level, nxt in ((1.0, 0.75), (0.75, 0.5), (0.5, 0.25)):
+            tl[:, -1] = level
+            x[:, -1] -= (level - nxt) * model.core(x, tl, m, b)[:, -1]
+    torch.testing.assert_close(target, (x_t[:, -1] - x[:, -1]) / 0.75, rtol=1e-4, atol=1e-4)
+
+
+def test_distillation_trains_the_first_step_towards_the_teacher():
+    """With a teacher, a pipeline sample's last frame at t = 1 is scored against the teacher's
+    target, other frames at t = 1 are left out, and everything else keeps the flow loss."""
+    model, cfg = tiny_world_model()
+    teacher, _ = tiny_world_model(layers=1)
+    sched = (1.0, 0.25, 0.0)
+    x = torch.randn(2, 4, cfg.channels, 8, 8)
+    m, b = torch.randn(2, 4, 2), (torch.rand(2, 4, 11) > 0.5).float()
+    t = torch.full((2, 4), 0.25)
+    t[0, -1], t[1, -1] = 1.0, 0.25  # clip 0 distilled, clip 1 a second-step target
+    plain = flow_loss(model.core, x, m, b, t, torch.Generator().manual_seed(4), schedule=sched).item()
+    distilled = flow_loss(model.core, x, m, b, t, torch.Generator().manual_seed(4), schedule=sched,
+                          teacher=teacher.core, teacher_steps=2).item()
+    # By hand: the same noise, the teacher's target on clip 0's last frame, the flow target elsewhere.
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+    x_t = (1 - t[..., None, None, None]) * x + t[..., None, None, None] * z
+    target = z - x
+    target[0, -1] = teacher_first_step(teacher.core, x_t[:1], t[:1], m[:1], b[:1], sched, 2)[0]
+    with torch.no_grad():
+        want = (model.core(x_t, t, m, b) - target).pow(2).mean().item()
+    assert distilled == pytest.approx(want, rel=1e-5) and distilled != pytest.approx(plain, rel=1e-3)
+    # An earlier frame at t = 1 is not scored: its error does not move the loss.
+    t2 = t.clone()
+    t2[0, 1] = 1.0
+    x2 = x.clone()
+    x2[0, 1] += 5.0  # changes frame 1's target (and, causally, what later frames see)
+    keep = torch.ones(2, 4)
+    keep[0, 1] = 0
+    z2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+    x_t2 = (1 - t2[..., None, None, None]) * x2 + t2[..., None, None, None] * z2
+    target2 = z2 - x2
+    target2[0, -1] = teacher_first_step(teacher.core, x_t2[:1], t2[:1], m[:1], b[:1], sched, 2)[0]
+    with torch.no_grad():
+        err = (model.core(x_t2, t2, m, b) - target2).pow(2).mean(dim=(2, 3, 4))
+    got = flow_loss(model.core, x2, m, b, t2, torch.Generator().manual_seed(4), schedule=sched,
+                    teacher=teacher.core, teacher_steps=2).item()
+    assert got == pytest.approx(float((err * keep).sum() / keep.sum()), rel=1e-5)
 
 
 def test_pipeline_shaped_times():

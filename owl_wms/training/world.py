@@ -4,6 +4,7 @@ x_t = (1 - t) x + t z, target v = z - x. Two kinds of sample are mixed:
 - diffusion forcing: t = sigmoid(randn) drawn independently per frame;
 - pipeline-shaped: every frame but the last at t = alpha (the streaming history), the last
   frame at a step of the sampling schedule, so the few-step sampler sees its own inputs.
+A fine-tune may distil the sampler's first step from a many-step teacher (``teacher_first_step``).
 """
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import copy
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from ..cache import StaticCache
 from ..model import GameRFT
 from . import warmup_cosine
 
@@ -67,25 +68,62 @@ def sample_times(b: int, n: int, gen: torch.Generator, pipeline_frac: float, alp
 
 
 def flow_loss(core, x, mouse, buttons, t, gen: torch.Generator, self_history_share: float = 0.0,
-              schedule: tuple[float, ...] = (1.0, 0.25, 0.0)):
-    """Rectified-flow loss; ``self_history_share`` > 0: see ``own_history`` (0 draws nothing extra)."""
+              schedule: tuple[float, ...] = (1.0, 0.25, 0.0), teacher=None, teacher_steps: int = 0):
+    """Rectified-flow loss; ``self_history_share`` > 0: see ``own_history`` (0 draws nothing extra);
+    ``teacher``: step distillation of the sampler's first step, see ``teacher_first_step``."""
     z = torch.randn(x.shape, generator=gen).to(x)
     tt = t[:, :, None, None, None].to(x)
     x_t = (1 - tt) * x + tt * z
-    keep = None
+    target = z - x
+    keep = torch.ones(t.shape, device=x.device)
     if self_history_share > 0:
         chosen = torch.zeros(t.shape, dtype=torch.bool)
         chosen[:, :-1] = (t[:, :-1] == schedule[-2]) & (torch.rand(t.shape[0], t.shape[1] - 1, generator=gen)
                                                         < self_history_share)
         if chosen.any():
             x_t = own_history(core, x_t, z, t, chosen.to(x.device), mouse.to(x), buttons.to(x), schedule)
-            keep = (~chosen).to(x)
+            # A swapped frame's input no longer denoises to its real frame: it is not scored.
+            keep = keep * (~chosen).to(x)
+    if teacher is not None:
+        first = (t == schedule[0]).to(x.device)
+        last = first[:, -1]
+        if last.any():
+            target[last, -1] = teacher_first_step(teacher, x_t[last], t.to(x)[last], mouse.to(x)[last],
+                                                  buttons.to(x)[last], schedule, teacher_steps).to(target)
+        # Any other frame at t = 1 would pull the first step back to the conditional mean.
+        keep[:, :-1] = keep[:, :-1] * (~first[:, :-1]).to(x)
     v = core(x_t, t.to(x), mouse.to(x), buttons.to(x))
-    if keep is None:
-        return F.mse_loss(v.float(), (z - x).float())
-    # A swapped frame's input no longer denoises to its real frame: it is not scored.
-    err = (v.float() - (z - x).float()).pow(2).mean(dim=(2, 3, 4))
+    err = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))
     return (err * keep).sum() / keep.sum()
+
+
+@torch.no_grad()
+def teacher_first_step(teacher, x_t, t, mouse, buttons, schedule: tuple[float, ...], steps: int):
+    """Velocity targets [b, c, h, w] for each clip's last frame (at t = 1): the straight jump
+    from its noise to the state that ``steps`` Euler steps of ``teacher`` reach at the
+    schedule's next level (for 1 -> 0.25 -> 0: the state the pipeline caches).
+
+    The two-step sampler's first step, trained on the flow loss, lands on the conditional mean
+    of the next frame, blurred wherever the model is unsure; a generated frame enters the
+    window in that state, and the blur compounds over a rollout. A sample of the ODE from the
+    same noise is sharp, so the first step learns to jump to it (step distillation, as in
+    progressive distillation with a many-step teacher). The history is prefilled into a cache
+    once (as the pipeline does) and only the last frame is stepped.
+    """
+    b, n = x_t.shape[:2]
+    kind = x_t.device.type  # keys and values come out in the autocast dtype when it is on
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else teacher.proj_in.weight.dtype
+    cache = StaticCache(teacher.config, n, batch_size=b, device=x_t.device, dtype=dtype)
+    cache.enable_cache_updates()
+    teacher(x_t[:, :-1], t[:, :-1], mouse[:, :-1], buttons[:, :-1], kv_cache=cache)
+    cache.disable_cache_updates()
+    z = x_t[:, -1:]
+    x, m, bt = z, mouse[:, -1:], buttons[:, -1:]
+    levels = torch.linspace(schedule[0], schedule[1], steps + 1).tolist()
+    for level, nxt in zip(levels[:-1], levels[1:]):
+        v = teacher(x, torch.full((b, 1), level, device=x.device, dtype=t.dtype), m, bt, kv_cache=cache)
+        x = x - (level - nxt) * v.to(x)
+    return ((z - x) / (schedule[0] - schedule[1]))[:, 0]
 
 
 @torch.no_grad()
@@ -123,11 +161,11 @@ def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile:
 
 def train_step(model, ema, opt, sched, x, mouse, buttons, t, gen: torch.Generator, ema_decay: float,
                bf16: bool = True, self_history_share: float = 0.0,
-               schedule: tuple[float, ...] = (1.0, 0.25, 0.0)) -> torch.Tensor:
+               schedule: tuple[float, ...] = (1.0, 0.25, 0.0), teacher=None, teacher_steps: int = 0) -> torch.Tensor:
     """One optimisation step of scripts.train_world (autocast, clipped AdamW, schedule, EMA);
-    the loss, unsynchronised. ``self_history_share``: see ``flow_loss``."""
+    the loss, unsynchronised. ``self_history_share``, ``teacher``: see ``flow_loss``."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = flow_loss(model.core, x, mouse, buttons, t, gen, self_history_share, schedule)
+        loss = flow_loss(model.core, x, mouse, buttons, t, gen, self_history_share, schedule, teacher, teacher_steps)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
