@@ -161,15 +161,18 @@ def horizontal_shift(a: np.ndarray, b: np.ndarray, max_shift: int = 12) -> int:
     return shifts[int(np.argmin(err))]
 
 
-def turn_following(pipe, ep: Episode, dx: float, n: int) -> tuple[float, float]:
+def turn_following(pipe, ep: Episode, dx: float, n: int, frames: list | None = None) -> tuple[float, float]:
     """Mean horizontal shift per frame (columns, signed by the turn) of the model's and of the
     simulator's frames over ``n`` frames of walking forward (W) with mouse x held at ``dx`` from
-    the episode's real history."""
+    the episode's real history. ``frames``, when given, receives (simulator's, model's) frames
+    [n, H, W, 3] after the last real one."""
     mouse, buttons = [float(dx), 0.0], [1.0] + [0.0] * 10
     sim = replay(ep, ep.window)
     real = [ep.frames[ep.window - 1]] + [sim.step(mouse, buttons) for _ in range(n)]
     pipe.load_clip(ep.clip)
     made = [ep.frames[ep.window - 1]] + [pipe(mouse, buttons)[0].numpy() for _ in range(n)]
+    if frames is not None:
+        frames.append((np.stack(real[1:]), np.stack(made[1:])))
     sign = float(np.sign(dx))
     mean_shift = lambda fs: sign * float(np.mean([horizontal_shift(a, b) for a, b in zip(fs[:-1], fs[1:])]))  # noqa: E731
     return mean_shift(made), mean_shift(real)

@@ -2,8 +2,9 @@
 
     python -m scripts.eval_world [--checkpoint checkpoints/<world>] [--episodes 8] [--out eval/]
 
-Writes eval.json, psnr_curve.png and rollouts.png (the first --sheet-episodes autoregressive
-rollouts, every --sheet-every frames: the simulator's frames above the model's).
+Writes eval.json, psnr_curve.png, rollouts.png (the first --sheet-episodes autoregressive
+rollouts, every --sheet-every frames: the simulator's frames above the model's) and turns.png
+(the same levels walked forward under the turn diagnostic's held turns, right then left).
 
 Teacher-forced next-frame PSNR/SSIM, autoregressive PSNR/SSIM per frame index, the action
 sensitivity gap (true actions minus another episode's, over --gap-range), and optionally
@@ -68,7 +69,7 @@ def main(argv=None):
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
     eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy) for s in tqdm(seeds, desc="episodes", unit="ep")]
-    ar, tf, other, response, euler, sim, turns, sheet = [], [], [], [], [], [], [], []
+    ar, tf, other, response, euler, sim, turns, sheet, turn_sheet = [], [], [], [], [], [], [], [], []
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
         foreign = eps[(i + 1) % len(eps)]
         predicted = []
@@ -79,7 +80,8 @@ def main(argv=None):
         other.append(autoregressive(pipe, ep, hi, actions=foreign))
         response.append(action_response(pipe, ep, foreign, args.tf_frames))
         sim.append(simulator_responses(ep, foreign, args.tf_frames, (lo, hi)))
-        turns += [turn_following(pipe, ep, d * args.turn_dx, args.turn_frames) for d in (1, -1)]
+        shown = turn_sheet if i < args.sheet_episodes else None
+        turns += [turn_following(pipe, ep, d * args.turn_dx, args.turn_frames, shown) for d in (1, -1)]
     if args.euler_steps:
         two_step = pipe.schedule
         pipe.schedule = tuple(float(t) for t in torch.linspace(1, 0, args.euler_steps + 1))
@@ -109,7 +111,7 @@ def main(argv=None):
         # turning: columns per frame the view slides under a held mouse x, model and simulator
         "turn_shift_model": float(np.mean([m for m, _ in turns])),
         "turn_shift_sim": float(np.mean([r for _, r in turns])),
-        "turn_dx": args.turn_dx,
+        "turn_dx": args.turn_dx, "turn_frames": args.turn_frames,
         "sheet_every": args.sheet_every,
     }
     report["turn_following"] = report["turn_shift_model"] / report["turn_shift_sim"]
@@ -132,6 +134,7 @@ def main(argv=None):
     fig.savefig(out / "psnr_curve.png", dpi=100)
     if sheet:
         plt.imsave(out / "rollouts.png", rollout_sheet(sheet, args.sheet_every))
+        plt.imsave(out / "turns.png", rollout_sheet(turn_sheet, max(1, args.sheet_every // 2)))
     print(f"teacher-forced PSNR {report['teacher_forced_psnr']:.2f} dB, SSIM {report['teacher_forced_ssim']:.3f}; "
           f"AR PSNR@16 {report['ar_psnr_at_16'] or float('nan'):.2f}; action gap {report['action_gap_db']:.2f} dB; "
           f"copy-previous {report['copy_previous_psnr']:.2f} dB; action response {report['action_response_psnr']:.2f} dB; "

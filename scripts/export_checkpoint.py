@@ -240,13 +240,18 @@ def main(argv=None):
                      "columns/frame) |"] if "turn_following" in ev else []),
                   f"| held-out level seeds | {ev['seeds'][0]}..{ev['seeds'][-1]} (training used 0..{manifest.get('episodes', 256) - 1}) |",
                   "", f"Evaluation command: `{ev['command']}`; per-frame curve: `eval_curve.png`."]
-        curve, sheet = (Path(args.eval).with_name(n) for n in ("psnr_curve.png", "rollouts.png"))
+        curve, sheet, turns = (Path(args.eval).with_name(n) for n in ("psnr_curve.png", "rollouts.png", "turns.png"))
         if curve.is_file():
             shutil.copyfile(curve, out / "eval_curve.png")
         if sheet.is_file():
             shutil.copyfile(sheet, out / "eval_rollouts.png")
             lines += [f"Autoregressive rollouts of the first held-out levels, one frame in "
                       f"{ev.get('sheet_every', 4)} (simulator above, model below): `eval_rollouts.png`."]
+        if turns.is_file():
+            shutil.copyfile(turns, out / "eval_turns.png")
+            lines += [f"The turn diagnostic on the same levels, walking forward with the mouse held at "
+                      f"{ev['turn_dx']:+g} and then {-ev['turn_dx']:+g} ({ev.get('turn_frames', 16)} frames each, "
+                      f"one in {max(1, ev.get('sheet_every', 4) // 2)}; simulator above, model below): `eval_turns.png`."]
     (out / "MODEL.md").write_text("\n".join(lines) + "\n")
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     print(f"exported {out} ({size_mb:.1f} MB)")

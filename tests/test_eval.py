@@ -37,6 +37,24 @@ def test_eval_command_on_two_short_episodes(tmp_path):
 
     sheet = matplotlib.image.imread(tmp_path / "rollouts.png")  # 2 episodes x (simulator, model), frames 1 and 5
     assert sheet.shape[:2] == (2 * 2 * 64 + 2, 2 * 64)
+    # turns.png: 2 episodes x 2 turns x (simulator, model), frames 1, 3, ... of the 16 per turn
+    turns = matplotlib.image.imread(tmp_path / "turns.png")
+    assert turns.shape[:2] == (4 * 2 * 64 + 3 * 2, 8 * 64)
+
+
+def test_eval_scores_the_schedule_it_is_given(tmp_path):
+    """--schedule replaces the checkpoint's sampler (recorded in the report); a bad one is refused."""
+    from scripts import eval_world
+
+    short = ["--episodes", "2", "--frames", "2", "--tf-frames", "2", "--gap-range", "1", "2", "--turn-frames", "2",
+             "--sheet-episodes", "0"]
+    eval_world.main(short + ["--out", str(tmp_path / "two")])
+    eval_world.main(short + ["--schedule", "1", "0.5", "0.25", "0", "--out", str(tmp_path / "three")])
+    two, three = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("two", "three"))
+    assert two["schedule"] == [1.0, 0.25, 0.0] and three["schedule"] == [1.0, 0.5, 0.25, 0.0]
+    assert two["teacher_forced_psnr"] != three["teacher_forced_psnr"]
+    with pytest.raises(ValueError, match="schedule"):
+        eval_world.main(short + ["--schedule", "1", "0.5", "--out", str(tmp_path / "bad")])
 
 
 def test_rollout_sheet_puts_the_real_frames_above_the_predictions():
