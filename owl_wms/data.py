@@ -6,8 +6,10 @@ uses every other button (sprint, jump, reload, flashlight, interact, fire, zoom)
 
 Styles differ only in the mouse process. ``explore`` (the shipped world's data) moves it slowly
 and smoothly, so the past frames already predict most of the next turn and a model can do well
-without reading the controls. ``lively`` turns faster with less persistence, so the next view
-depends on the action far more than on the motion so far.
+without reading the controls; it turns hard only when a wall is close ahead, so in its episodes
+a held turn nearly always shows a wall up close (``turn_wall_statistics``). ``lively`` turns
+faster with less persistence, so the next view depends on the action far more than on the
+motion so far.
 """
 from __future__ import annotations
 
@@ -92,3 +94,29 @@ def level_clip(coder, seed: int, window: int, future: int, size: int, name: str 
     clip = Clip(coder.encode_uint8(frames[:window]), torch.from_numpy(mouse), torch.from_numpy(buttons), window,
                 name=name or f"level-{seed}")
     return clip, frames
+
+
+def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: float = 5.0,
+                         near: float = 1.6) -> dict:
+    """How the policy's turns go with walls: the share of frames whose mouse x exceeds ``big``
+    in size, and for those and for the rest (|mouse x| < 2) the median distance to the nearest
+    wall in the middle third of the view and the share with one nearer than ``near``. A world
+    model trained on a policy that turns hard only at walls learns that a held turn means a
+    wall up close."""
+    turning, steady = [], []
+    for seed in range(levels):
+        sim = MazeSim(seed, SimConfig(width=64, height=64))
+        sim.render()
+        policy = ExplorerPolicy(seed * 7 + 1, style)
+        for _ in range(frames):
+            mouse, buttons = policy.act(sim)
+            depth = sim.depth[len(sim.depth) // 3: 2 * len(sim.depth) // 3].min()
+            if abs(mouse[0]) > big:
+                turning.append(depth)
+            elif abs(mouse[0]) < 2:
+                steady.append(depth)
+            sim.step(mouse, buttons)
+    turning, steady = np.array(turning), np.array(steady)
+    return {"style": style, "turning_share": len(turning) / (levels * frames),
+            "turning_median_wall": float(np.median(turning)), "steady_median_wall": float(np.median(steady)),
+            "turning_near_share": float((turning < near).mean()), "steady_near_share": float((steady < near).mean())}

@@ -172,3 +172,17 @@ def test_lively_policy_turns_faster_and_less_predictably():
     assert lag1(lively) < lag1(explore) - 0.1  # that the turn so far predicts less
     with pytest.raises(ValueError, match="unknown policy style 'calm'.*explore"):
         rollout_episode(9, 2, style="calm")
+
+
+def test_turn_wall_statistics_see_explores_turns_at_walls(capsys):
+    """The exploring policy turns hard when a wall is close ahead: its hard-turn frames face a
+    near wall far more often than its steady ones (the statistic a world model picks up)."""
+    from owl_wms.data import turn_wall_statistics
+    from scripts import policy_stats
+
+    st = turn_wall_statistics("explore", levels=4, frames=128)
+    assert 0 < st["turning_share"] < 1
+    assert st["turning_near_share"] > st["steady_near_share"] + 0.25
+    assert st["turning_median_wall"] < 0.6 * st["steady_median_wall"]
+    policy_stats.main(["--policy", "explore", "--levels", "1", "--frames", "32"])
+    assert '"style": "explore"' in capsys.readouterr().out
