@@ -7,7 +7,7 @@ uses every other button (sprint, jump, reload, flashlight, interact, fire, zoom)
 Styles differ only in the mouse process. ``explore`` (the shipped world's data) moves it slowly
 and smoothly, so the past frames already predict most of the next turn and a model can do well
 without reading the controls; it turns hard only when a wall is close ahead, so in its episodes
-a held turn nearly always shows a wall up close (``turn_wall_statistics``). ``lively`` turns
+a hard turn nearly always faces a wall up close (``turn_wall_statistics``). ``lively`` turns
 faster with less persistence, so the next view depends on the action far more than on the
 motion so far.
 """
@@ -100,9 +100,8 @@ def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: f
                          near: float = 1.6) -> dict:
     """How the policy's turns go with walls: the share of frames whose mouse x exceeds ``big``
     in size, and for those and for the rest (|mouse x| < 2) the median distance to the nearest
-    wall in the middle third of the view and the share with one nearer than ``near``. A world
-    model trained on a policy that turns hard only at walls learns that a held turn means a
-    wall up close."""
+    wall in the middle third of the view and the share with one nearer than ``near``: what a
+    world model trained on the policy's episodes is asked to show under a turn."""
     turning, steady = [], []
     for seed in range(levels):
         sim = MazeSim(seed, SimConfig(width=64, height=64))
