@@ -65,10 +65,12 @@ class ExplorerPolicy:
 
 
 def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None,
-                    config: SimConfig | None = None, then: list | None = None, style: str = "explore"):
+                    config: SimConfig | None = None, then: list | None = None, style: str = "explore",
+                    watch=None):
     """frames uint8 [n, H, W, 3], mouse float32 [n, 2], buttons float32 [n, 11];
     frame i is what the simulator shows after action i. ``then`` (a list of (mouse, buttons))
-    continues the episode after the policy's ``frames`` with given actions (n grows by len(then))."""
+    continues the episode after the policy's ``frames`` with given actions (n grows by len(then)).
+    ``watch(sim, mouse)``, when given, sees the simulator as each action is chosen, before the step."""
     sim = MazeSim(level_seed, config)
     sim.render()
     policy = ExplorerPolicy(level_seed * 7 + 1 if policy_seed is None else policy_seed, style)
@@ -79,6 +81,8 @@ def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None
     buttons = np.empty((n, 11), dtype=np.float32)
     for i in range(n):
         m, b = policy.act(sim) if i < frames else then[i - frames]
+        if watch is not None:
+            watch(sim, m)
         out[i] = sim.step(m, b)
         mouse[i], buttons[i] = m, b
     return out, mouse, buttons
@@ -103,18 +107,16 @@ def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: f
     wall in the middle third of the view and the share with one nearer than ``near``: what a
     world model trained on the policy's episodes is asked to show under a turn."""
     turning, steady = [], []
-    for seed in range(levels):
-        sim = MazeSim(seed, SimConfig(width=64, height=64))
-        sim.render()
-        policy = ExplorerPolicy(seed * 7 + 1, style)
-        for _ in range(frames):
-            mouse, buttons = policy.act(sim)
-            depth = sim.depth[len(sim.depth) // 3: 2 * len(sim.depth) // 3].min()
-            if abs(mouse[0]) > big:
-                turning.append(depth)
-            elif abs(mouse[0]) < 2:
-                steady.append(depth)
-            sim.step(mouse, buttons)
+
+    def watch(sim: MazeSim, mouse):
+        depth = sim.depth[len(sim.depth) // 3: 2 * len(sim.depth) // 3].min()
+        if abs(mouse[0]) > big:
+            turning.append(depth)
+        elif abs(mouse[0]) < 2:
+            steady.append(depth)
+
+    for seed in range(levels):  # the training episodes of these levels, as generate_data makes them
+        rollout_episode(seed, frames, style=style, watch=watch)
     turning, steady = np.array(turning), np.array(steady)
     return {"style": style, "turning_share": len(turning) / (levels * frames),
             "turning_median_wall": float(np.median(turning)), "steady_median_wall": float(np.median(steady)),

@@ -112,7 +112,7 @@ def main(argv=None):
         "turn_shift_model": float(np.mean([m for m, _ in turns])),
         "turn_shift_sim": float(np.mean([r for _, r in turns])),
         "turn_dx": args.turn_dx, "turn_frames": args.turn_frames,
-        "sheet_every": args.sheet_every,
+        "sheet_every": args.sheet_every, "turn_sheet_every": max(1, args.sheet_every // 2),
     }
     report["turn_following"] = report["turn_shift_model"] / report["turn_shift_sim"]
     if euler:
@@ -134,7 +134,7 @@ def main(argv=None):
     fig.savefig(out / "psnr_curve.png", dpi=100)
     if sheet:
         plt.imsave(out / "rollouts.png", rollout_sheet(sheet, args.sheet_every))
-        plt.imsave(out / "turns.png", rollout_sheet(turn_sheet, max(1, args.sheet_every // 2)))
+        plt.imsave(out / "turns.png", rollout_sheet(turn_sheet, report["turn_sheet_every"]))
     print(f"teacher-forced PSNR {report['teacher_forced_psnr']:.2f} dB, SSIM {report['teacher_forced_ssim']:.3f}; "
           f"AR PSNR@16 {report['ar_psnr_at_16'] or float('nan'):.2f}; action gap {report['action_gap_db']:.2f} dB; "
           f"copy-previous {report['copy_previous_psnr']:.2f} dB; action response {report['action_response_psnr']:.2f} dB; "

@@ -251,7 +251,7 @@ def main(argv=None):
             shutil.copyfile(turns, out / "eval_turns.png")
             lines += [f"The turn diagnostic on the same levels, walking forward with the mouse held at "
                       f"{ev['turn_dx']:+g} and then {-ev['turn_dx']:+g} ({ev.get('turn_frames', 16)} frames each, "
-                      f"one in {max(1, ev.get('sheet_every', 4) // 2)}; simulator above, model below): `eval_turns.png`."]
+                      f"one in {ev['turn_sheet_every']}; simulator above, model below): `eval_turns.png`."]
     (out / "MODEL.md").write_text("\n".join(lines) + "\n")
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     print(f"exported {out} ({size_mb:.1f} MB)")

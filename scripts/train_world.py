@@ -18,8 +18,8 @@ import torch
 from tqdm import tqdm
 
 from owl_wms.config import load_config
-from owl_wms.model import GameRFT
 from owl_wms.loading import load_weights, read_state_dict
+from owl_wms.model import GameRFT
 from owl_wms.training import WORLD_RECORD, RunLog, load_training_state, save_training_state
 from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
@@ -90,10 +90,10 @@ def main(argv=None):
         raise SystemExit(f"error: --self-history needs the history level (pipeline.history_alpha "
                          f"{world.pipeline.history_alpha}) to be the schedule's cache-write level "
                          f"{world.pipeline.schedule[-2]}; drop --self-history or align the config")
-    if args.distill and init is None:
-        raise SystemExit(f"error: --distill {args.distill} needs a teacher: pass the trained checkpoint as --init")
     if args.distill < 0:
         raise SystemExit(f"error: --distill {args.distill} must be a number of Euler steps (> 0) or 0 for off")
+    if args.distill and init is None:
+        raise SystemExit(f"error: --distill {args.distill} needs a teacher: pass the trained checkpoint as --init")
     vae_scale = init.vae_scale if init is not None else stats["vae_scale"]
     data = LatentEpisodes(args.latents, vae_scale, frames)
     torch.manual_seed(args.seed)
@@ -110,16 +110,17 @@ def main(argv=None):
     # Every invocation is recorded (a resumed run with a larger --steps goes on from the saved
     # step on the cosine schedule of the new length), so MODEL.md can list each command and its time.
     clock = RunLog(runs, step, args.batch, args.steps, recipe_options(p, args))
-    if init is not None and step == 0:  # a resumed fine-tune has its weights in the state
-        weights = Path(args.init) / "model.safetensors"
-        state = read_state_dict(weights)  # read once: load_weights copies it into each module
+    weights = Path(args.init) / "model.safetensors" if init is not None else None
+    # read once: load_weights copies it into each module (a resumed fine-tune has its weights in
+    # the state; a distilling one still needs them for the teacher)
+    state = read_state_dict(weights) if init is not None and (step == 0 or args.distill) else None
+    if init is not None and step == 0:
         for net in (model, ema):
             load_weights(net, state, str(weights))
     teacher = None
-    if args.distill:  # the --init weights, frozen (also on resume: they are read from --init again)
-        weights = Path(args.init) / "model.safetensors"
+    if args.distill:  # the --init weights, frozen
         teacher = GameRFT(world.model).to(args.device).eval().requires_grad_(False)
-        load_weights(teacher, read_state_dict(weights), str(weights))
+        load_weights(teacher, state, str(weights))
     losses = []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
     while step < args.steps:

@@ -182,6 +182,17 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     train_world.main(tune + ["--out", str(tmp_path / "ft"), "--steps", "1", "--self-history", "1"])
     tuned = torch.load(tmp_path / "ft" / "ema_core.pt", weights_only=True)
     assert any(not torch.equal(tuned[k], kept[k]) for k in kept)
+    # a distilling fine-tune: the teacher is the --init weights, also when the run resumes
+    distil = tune + ["--out", str(tmp_path / "ftd"), "--pipeline-frac", "1", "--distill", "2", "--save-every", "1"]
+    train_world.main(distil + ["--steps", "1"])
+    train_world.main(distil + ["--steps", "2"])
+    assert "resumed at step 1" in capsys.readouterr().out
+    runs = json.loads((tmp_path / "ftd" / "train_metrics.json").read_text())["runs"]
+    assert [r["to_step"] for r in runs] == [1, 2] and all("--distill 2" in r["options"] for r in runs)
+    with pytest.raises(SystemExit, match="--distill 2 needs a teacher"):
+        train_world.main(common + ["--steps", "1", "--distill", "2"])
+    with pytest.raises(SystemExit, match="--distill -1 must be a number of Euler steps"):
+        train_world.main(distil[:-4] + ["--distill", "-1", "--steps", "1"])
     # the fine-tune's MODEL.md lists the whole chain: the base world, its export, the fine-tune
     record = json.loads((tmp_path / "ft" / "train_metrics.json").read_text())
     assert record["base"] == json.loads((tmp_path / "world" / "train_metrics.json").read_text())
@@ -210,6 +221,8 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert f"{report['teacher_forced_psnr']:.2f} dB" in card
     assert "frame 16 | not measured" in card  # a 3-frame evaluation has no frame 16
     assert "`eval_rollouts.png`" in card and (tmp_path / "ckpt" / "eval_rollouts.png").is_file()
+    assert "`eval_turns.png`" in card and (tmp_path / "ckpt" / "eval_turns.png").is_file()
+    assert f"one in {report['turn_sheet_every']}; simulator above" in card
     assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
     with pytest.raises(SystemExit, match="holds a model unlike"):
         train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
