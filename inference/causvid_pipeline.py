@@ -221,8 +221,13 @@ class CausvidPipeline:
 
         if self.decoder is None:
             raise RuntimeError("starting from a simulator level needs the autoencoder (no decoder loaded)")
-        clip, _ = level_clip(self.decoder, seed, self.window, future, self.frame_shape[0], name=f"world-{seed}")
+        clip, _ = level_clip(self.decoder, seed, self.window, future, self.sim_config, name=f"world-{seed}")
         return self.load_clip(clip)
+
+    @property
+    def sim_config(self):
+        """The simulator of this world's levels (its config's ``simulator:``) at the decoded frame size."""
+        return self.world.sim_config(*self.frame_shape)
 
     @property
     def frame_shape(self) -> tuple[int, int]:

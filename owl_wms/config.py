@@ -1,7 +1,9 @@
 """World configs: the original GameRFT YAML schema plus our pipeline/decoder keys.
 
 A config file has the original sections (``model:``, ``train:`` with ``vae_scale``,
-``inference:``) and ours beside them (``pipeline:``, ``decoder:``). Relative paths in
+``inference:``) and ours beside them (``pipeline:``, ``decoder:``, ``simulator:`` for a world
+trained on our maze: the ``SimConfig`` fields its episodes were made with, which fresh levels,
+clips and the evaluation must use too). Relative paths in
 ``pipeline.clips`` and ``decoder.path`` are resolved against the config file's folder.
 """
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from .simulator import SimConfig
 
 
 class ConfigError(ValueError):
@@ -128,9 +132,14 @@ class WorldConfig:
     decoder: DecoderConfig
     inference: dict = field(default_factory=dict)
     controls: dict = field(default_factory=dict)  # front-end key bindings and mouse sensitivity
+    simulator: dict = field(default_factory=dict)  # SimConfig fields of the world's levels (not the frame size)
     name: str = "world"
     trained: bool = True
     path: Path | None = None
+
+    def sim_config(self, height: int, width: int) -> SimConfig:
+        """The simulator this world was trained on, rendering frames of the decoder's size."""
+        return SimConfig(height=height, width=width, **self.simulator)
 
     def resolve(self, relative: str | None) -> Path | None:
         if relative is None:
@@ -174,6 +183,25 @@ def load_config(path: str | Path) -> WorldConfig:
     inference = OmegaConf.to_container(raw.get("inference") or OmegaConf.create({}), resolve=True)
     meta = raw.get("world") or {}
     controls = OmegaConf.to_container(raw.get("controls") or OmegaConf.create({}), resolve=True)
+    simulator = parse_simulator(raw.get("simulator"), str(path))
     return WorldConfig(model=model, vae_scale=vae_scale, pipeline=pipeline, decoder=decoder,
-                       inference=inference, controls=controls, name=str(meta.get("name", path.parent.name)),
+                       inference=inference, controls=controls, simulator=simulator, name=str(meta.get("name", path.parent.name)),
                        trained=bool(meta.get("trained", True)), path=path)
+
+
+SIM_KEYS = sorted(f.name for f in dataclasses.fields(SimConfig) if f.name not in ("width", "height"))
+
+
+def parse_simulator(section: Any, source: str) -> dict:
+    """The ``simulator:`` section: SimConfig fields but the frame size (the decoder's), checked
+    by building a SimConfig from them."""
+    sim = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section or {})
+    unknown = sorted(set(sim) - set(SIM_KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown simulator keys {unknown}; known: {SIM_KEYS} (the frame size is "
+                          "the decoder's, not a simulator key)")
+    try:
+        SimConfig(**sim)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: simulator section {sim} is invalid: {exc}") from exc
+    return sim

@@ -22,6 +22,15 @@ from .simulator import D_, E_, F_, LMB, R_, RMB, SHIFT, SPACE, A_, S_, W_, MazeS
 
 HELD_OUT_SEED = 1_000_000  # level seeds at or above this are never used for training
 
+# generate_data's options that change what episodes show, and their defaults (what a manifest
+# written before the option existed holds): the policy's style and SimConfig's corridor width
+EPISODE_OPTIONS = {"policy": "explore", "corridor": 1}
+
+
+def episode_options(manifest: dict) -> dict:
+    """The episode options a data manifest was made with, defaults filled in."""
+    return {key: manifest.get(key, default) for key, default in EPISODE_OPTIONS.items()}
+
 
 # style -> (mouse persistence per frame, weight of the new draw, its std [dx, dy] in mouse units);
 # the weights are written out, not computed as 1 - persistence, so "explore" stays bit-identical
@@ -88,24 +97,24 @@ def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None
     return out, mouse, buttons
 
 
-def level_clip(coder, seed: int, window: int, future: int, size: int, name: str | None = None,
+def level_clip(coder, seed: int, window: int, future: int, config: SimConfig, name: str | None = None,
                style: str = "explore"):
-    """A clip that starts on a simulator level: ``window`` history frames encoded with
-    ``coder`` (a FrameDecoder) plus ``future`` recorded policy actions.
-    Returns (clip, the level's uint8 frames [window + future, size, size, 3])."""
-    frames, mouse, buttons = rollout_episode(seed, window + future, config=SimConfig(width=size, height=size),
-                                             style=style)
+    """A clip that starts on a level of the simulator ``config`` (a world's ``sim_config``):
+    ``window`` history frames encoded with ``coder`` (a FrameDecoder) plus ``future`` recorded
+    policy actions. Returns (clip, the level's uint8 frames [window + future, H, W, 3])."""
+    frames, mouse, buttons = rollout_episode(seed, window + future, config=config, style=style)
     clip = Clip(coder.encode_uint8(frames[:window]), torch.from_numpy(mouse), torch.from_numpy(buttons), window,
                 name=name or f"level-{seed}")
     return clip, frames
 
 
 def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: float = 5.0,
-                         near: float = 1.6) -> dict:
+                         near: float = 1.6, corridor: int = 1) -> dict:
     """How the policy's turns go with walls: the share of frames whose mouse x exceeds ``big``
     in size, and for those and for the rest (|mouse x| < 2) the median distance to the nearest
     wall in the middle third of the view and the share with one nearer than ``near``: what a
-    world model trained on the policy's episodes is asked to show under a turn."""
+    world model trained on the policy's episodes (in a maze of ``corridor``-wide passages) is
+    asked to show under a turn."""
     turning, steady = [], []
 
     def watch(sim: MazeSim, mouse):
@@ -116,8 +125,8 @@ def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: f
             steady.append(depth)
 
     for seed in range(levels):  # the training episodes of these levels, as generate_data makes them
-        rollout_episode(seed, frames, style=style, watch=watch)
+        rollout_episode(seed, frames, style=style, watch=watch, config=SimConfig(corridor=corridor))
     turning, steady = np.array(turning), np.array(steady)
-    return {"style": style, "turning_share": len(turning) / (levels * frames),
+    return {"style": style, "corridor": corridor, "turning_share": len(turning) / (levels * frames),
             "turning_median_wall": float(np.median(turning)), "steady_median_wall": float(np.median(steady)),
             "turning_near_share": float((turning < near).mean()), "steady_near_share": float((steady < near).mean())}

@@ -25,7 +25,7 @@ import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
 from .data import level_clip
-from .simulator import MazeSim, SimConfig
+from .simulator import MazeSim
 
 
 def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
@@ -40,8 +40,8 @@ class Episode:
     """A held-out simulator episode: real frames and actions, history encoded once."""
 
     def __init__(self, pipe, seed: int, frames: int, style: str = "explore"):
-        self.seed, self.window = seed, pipe.window
-        self.clip, self.frames = level_clip(pipe.decoder, seed, pipe.window, frames, pipe.frame_shape[0],
+        self.seed, self.window, self.sim_config = seed, pipe.window, pipe.sim_config
+        self.clip, self.frames = level_clip(pipe.decoder, seed, pipe.window, frames, self.sim_config,
                                             name=f"eval-{seed}", style=style)
 
     def future(self, k: int):
@@ -118,8 +118,7 @@ def action_response(pipe, ep: Episode, other: Episode, n: int) -> list[float]:
 def replay(ep: Episode, frames: int) -> MazeSim:
     """The episode's simulator after its first ``frames`` recorded actions (the same frames:
     the simulator is deterministic and the actions are stored exactly as they were played)."""
-    size = ep.frames.shape[1]
-    sim = MazeSim(ep.seed, SimConfig(width=size, height=size))
+    sim = MazeSim(ep.seed, ep.sim_config)
     sim.render()
     for i in range(frames):
         sim.step(ep.clip.mouse[i].tolist(), ep.clip.buttons[i].tolist())

@@ -32,7 +32,8 @@ SWITCH_COLOR = np.array([0.95, 0.85, 0.10])
 class SimConfig:
     width: int = 64
     height: int = 64
-    maze_cells: int = 7  # maze of cells x cells rooms -> grid of 2*cells+1
+    maze_cells: int = 7  # maze of cells x cells rooms -> grid of (corridor+1)*cells+1
+    corridor: int = 1  # floor width of a maze cell (and of the passage between two) in grid units
     fov_deg: float = 70.0
     zoom_fov_deg: float = 38.0
     walk_speed: float = 0.07  # grid units per frame
@@ -42,6 +43,12 @@ class SimConfig:
     door_prob: float = 0.12
     switch_prob: float = 0.08
     supersample: int = 2  # render at this multiple and box-filter down: no aliased mortar/checker speckle
+
+    def __post_init__(self):
+        for name in ("width", "height", "maze_cells", "corridor", "supersample"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SimConfig.{name} must be a whole number >= 1, got {value!r}")
 
 
 @dataclass
@@ -62,16 +69,34 @@ class SimState:
     frame: int = 0
 
 
-def generate_maze(seed: int, cells: int, door_prob: float, switch_prob: float):
-    """Recursive-backtracker maze; wall cells carry a kind (1..4 colour), doors and switches."""
+def generate_maze(seed: int, cells: int, door_prob: float, switch_prob: float, corridor: int = 1):
+    """Recursive-backtracker maze; wall cells carry a kind (1..4 colour), doors and switches.
+
+    Each maze cell is a ``corridor`` x ``corridor`` block of floor and walls are one unit thick,
+    so a passage between two cells is a wall segment of ``corridor`` units, opened (or made a
+    door) as a whole. ``corridor`` = 1 is the one-cell maze the first worlds were trained on,
+    drawn with the same random numbers."""
+    if corridor < 1:
+        raise ValueError(f"corridor must be >= 1 grid unit, got {corridor}")
     rng = np.random.default_rng(seed)
-    n = 2 * cells + 1
+    pitch = corridor + 1
+    n = pitch * cells + 1
     grid = np.full((n, n), WALL, dtype=np.int64)
     kinds = rng.integers(0, 4, size=(n, n))
+
+    def block(cx, cy):
+        return slice(pitch * cx + 1, pitch * cx + 1 + corridor), slice(pitch * cy + 1, pitch * cy + 1 + corridor)
+
+    def between(a, b):  # the wall segment between adjacent cells a and b
+        (ax, ay), (bx, by) = sorted((a, b))
+        if bx > ax:
+            return slice(pitch * bx, pitch * bx + 1), block(ax, ay)[1]
+        return block(ax, ay)[0], slice(pitch * by, pitch * by + 1)
+
     seen = np.zeros((cells, cells), dtype=bool)
     stack = [(0, 0)]
     seen[0, 0] = True
-    grid[1, 1] = EMPTY
+    grid[block(0, 0)] = EMPTY
     while stack:
         cx, cy = stack[-1]
         nbrs = [(cx + dx, cy + dy) for dx, dy in ((1, 0), (-1, 0), (0, 1), (0, -1))
@@ -81,13 +106,16 @@ def generate_maze(seed: int, cells: int, door_prob: float, switch_prob: float):
             continue
         nx, ny = nbrs[rng.integers(len(nbrs))]
         seen[nx, ny] = True
-        grid[2 * nx + 1, 2 * ny + 1] = EMPTY
-        grid[cx + nx + 1, cy + ny + 1] = DOOR if rng.random() < door_prob else EMPTY
+        grid[block(nx, ny)] = EMPTY
+        grid[between((cx, cy), (nx, ny))] = DOOR if rng.random() < door_prob else EMPTY
         stack.append((nx, ny))
-    # Loops make the maze less tunnel-like: knock out some interior walls.
-    inner = [(i, j) for i in range(1, n - 1) for j in range(1, n - 1) if grid[i, j] == WALL and (i + j) % 2 == 1]
-    for idx in rng.permutation(len(inner))[: len(inner) // 6]:
-        grid[inner[idx]] = EMPTY
+    # Loops make the maze less tunnel-like: knock out some of the closed segments (in the order
+    # of their first grid cell, row by row).
+    segments = [between((cx, cy), (cx + dx, cy + dy)) for cx in range(cells) for cy in range(cells)
+                for dx, dy in ((1, 0), (0, 1)) if cx + dx < cells and cy + dy < cells]
+    closed = sorted((s for s in segments if (grid[s] == WALL).all()), key=lambda s: (s[0].start, s[1].start))
+    for idx in rng.permutation(len(closed))[: len(closed) // 6]:
+        grid[closed[idx]] = EMPTY
     walls = np.argwhere(grid == WALL)
     for i, j in walls[rng.random(len(walls)) < switch_prob]:
         if 0 < i < n - 1 and 0 < j < n - 1:
@@ -99,7 +127,8 @@ class MazeSim:
     def __init__(self, seed: int, config: SimConfig | None = None):
         self.seed = seed
         self.cfg = config or SimConfig()
-        self.grid, self.kinds = generate_maze(seed, self.cfg.maze_cells, self.cfg.door_prob, self.cfg.switch_prob)
+        self.grid, self.kinds = generate_maze(seed, self.cfg.maze_cells, self.cfg.door_prob, self.cfg.switch_prob,
+                                             self.cfg.corridor)
         rng = np.random.default_rng(seed + 7919)
         free = np.argwhere(self.grid == EMPTY)
         i, j = free[rng.integers(len(free))]
@@ -114,8 +143,6 @@ class MazeSim:
         self.state = SimState(x=i + 0.5, y=j + 0.5, yaw=float((yaw + np.pi) % (2 * np.pi) - np.pi))
         self.depth = None  # per-column wall distance of the last render
         ss = self.cfg.supersample
-        if ss < 1:
-            raise ValueError(f"SimConfig.supersample must be >= 1, got {ss}")
         h, w = self.cfg.height * ss, self.cfg.width * ss
         self._rows = np.arange(h)[:, None] + 0.5
         self._cols = (np.arange(w) + 0.5) / w * 2 - 1  # -1..1 across the screen
@@ -172,7 +199,7 @@ class MazeSim:
         if pressed[E_]:
             hit = self._ahead()
             if hit is not None and self.grid[hit] == DOOR:
-                self.grid[hit] = EMPTY
+                self._open_door(hit)
             elif hit is not None and self.grid[hit] == SWITCH:
                 s.palette = (s.palette + 1) % len(PALETTES)
         if b[LMB] and s.fire == 0 and s.reload == 0:
@@ -182,6 +209,16 @@ class MazeSim:
         s.prev_buttons = b
         s.frame += 1
         return self.render()
+
+    def _open_door(self, cell):
+        """Open the whole door: the run of door cells through ``cell`` (a passage is ``corridor``
+        cells wide; pillars keep two doors apart)."""
+        todo = [tuple(cell)]
+        while todo:
+            i, j = todo.pop()
+            if self.grid[i, j] == DOOR:
+                self.grid[i, j] = EMPTY
+                todo += [(i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)]
 
     # -- rendering -----------------------------------------------------------------------------
     def _cast(self, fov: float):

@@ -371,11 +371,9 @@ def main(argv=None):
     real = None
     if world_seed is not None:  # what the simulator shows under the same history and actions
         from owl_wms.data import rollout_episode
-        from owl_wms.simulator import SimConfig
 
-        size = results[0]["frames"].shape[1]
         frames, _, _ = rollout_episode(world_seed, world.pipeline.window_frames, then=actions,
-                                       config=SimConfig(width=size, height=size))
+                                       config=world.sim_config(*results[0]["frames"].shape[1:3]))
         real = frames[world.pipeline.window_frames:]
     for r in results:
         analyse(r, results[0], real)

@@ -4,7 +4,8 @@
 
 Writes ``<out>/ep_*.safetensors`` (raw latents [n, c, 8, 8] + the episode's actions) and
 ``<out>/stats.json`` with ``vae_scale`` = the latents' standard deviation, so latents divided
-by it have unit variance. Resumable: encoded episodes are skipped.
+by it have unit variance, and the episodes' options (policy, corridor) from their manifest,
+which export_checkpoint writes into the checkpoint's config. Resumable: encoded episodes are skipped.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from owl_wms.data import episode_options
 from owl_wms.training import file_stage_clock
 from owl_wms.vae import FrameDecoder, autoencoder_class
 
@@ -50,8 +52,10 @@ def main(argv=None):
         save_file({"latents": lat.contiguous(), "mouse": t["mouse"], "buttons": t["buttons"]}, str(tmp), metadata=meta)
         os.replace(tmp, final)
     sample = torch.cat([load_file(str(p))["latents"] for p in sorted(out.glob("ep_*.safetensors"))[:64]])
+    manifest = Path(args.data) / "manifest.json"
+    made = episode_options(json.loads(manifest.read_text()) if manifest.is_file() else {})
     stats = {"vae_scale": float(sample.std()), "mean": float(sample.mean()), "channels": int(sample.shape[1]),
-             **stage_time()}
+             "data": str(args.data), **made, **stage_time()}
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     print(f"encoded {len(episodes)} episodes; vae_scale={stats['vae_scale']:.4f}")
 

@@ -20,7 +20,7 @@ from huggingface_hub import save_torch_state_dict
 from omegaconf import OmegaConf
 
 from owl_wms.config import load_config
-from owl_wms.data import level_clip
+from owl_wms.data import EPISODE_OPTIONS, episode_options, level_clip
 from owl_wms.training import WORLD_RECORD
 
 from .bench_pipeline import machine
@@ -100,20 +100,24 @@ def world_commands(train: dict, latents: str, export: str, world_dir: str = "wor
     return lines
 
 
-def chain_commands(policy: str, train: dict, vae: dict, world_dir: str = "work/world") -> list[str]:
-    """MODEL.md's recipe. The VAE always learns from the exploring policy's episodes; a world
-    model trained on another policy's episodes gets its own data and latents folders."""
+def chain_commands(data: dict, train: dict, vae: dict, world_dir: str = "work/world") -> list[str]:
+    """MODEL.md's recipe. The VAE always learns from the default episodes (exploring policy,
+    one-unit corridors); a world model trained on other episodes (``data``: the manifest of
+    its episodes, whose non-default options name its data and latents folders) gets its own."""
     vae_lines, vae_dir = vae_commands(vae)
     lines = ["python -m scripts.generate_data        # simulator episodes (exploring policy)", *vae_lines]
-    if policy == "explore":
+    options = {k: v for k, v in episode_options(data).items() if v != EPISODE_OPTIONS[k]}
+    if not options:
         lines += ["python -m scripts.encode_latents       # latents + measured vae_scale"]
-        latents = data = ""
+        latents = data_arg = ""
     else:
-        lines += [f"python -m scripts.generate_data --policy {policy} --out work/data_{policy}   # the world model's episodes",
-                  f"python -m scripts.encode_latents --data work/data_{policy} --out work/latents_{policy}   "
+        flags = " ".join(f"--{k} {v}" for k, v in options.items())
+        name = "_".join(str(v) if k == "policy" else f"{k}{v}" for k, v in options.items())
+        lines += [f"python -m scripts.generate_data {flags} --out work/data_{name}   # the world model's episodes",
+                  f"python -m scripts.encode_latents --data work/data_{name} --out work/latents_{name}   "
                   "# latents + measured vae_scale"]
-        latents, data = f" --latents work/latents_{policy}", f" --data work/data_{policy}"
-    export = f"python -m scripts.export_checkpoint{latents}{data}" + \
+        latents, data_arg = f" --latents work/latents_{name}", f" --data work/data_{name}"
+    export = f"python -m scripts.export_checkpoint{latents}{data_arg}" + \
         ("" if vae_dir == "work/vae/final" else f" --vae {vae_dir}")
     lines += world_commands(train, latents, export, world_dir)
     if world_dir != "work/world":
@@ -147,7 +151,8 @@ def main(argv=None):
     p.add_argument("--latents", default="work/latents")
     p.add_argument("--world", default="work/world")
     p.add_argument("--data", default=None,
-                   help="the world model's episodes, for MODEL.md (default: data/ beside --latents)")
+                   help="the world model's episodes, for MODEL.md (default: the folder the latents record, "
+                        "else data/ beside --latents)")
     p.add_argument("--out", default="checkpoints/maze-world")
     p.add_argument("--clips", type=int, default=4)
     p.add_argument("--future", type=int, default=1000)
@@ -155,14 +160,31 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stats = json.loads((Path(args.latents) / "stats.json").read_text())
     train = json.loads((Path(args.world) / "train_metrics.json").read_text())
+    # the episodes: those the latents say they were encoded from, else data/ beside them
+    data_dir = Path(args.data or stats.get("data") or Path(args.latents).parent / "data")
+    manifest = json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").is_file() else {}
+    episodes = episode_options(stats if "corridor" in stats else manifest)  # latents from before the record: the data's
+    if manifest and episode_options(manifest) != episodes:
+        raise SystemExit(f"error: the latents in {args.latents} were encoded from episodes made with {episodes}, but "
+                         f"{data_dir} holds episodes made with {episode_options(manifest)}; pass the --data they came from")
     raw = OmegaConf.load(args.config)
     # the scale the model was trained with: the latents' own, or a fine-tune's --init world's
     raw.train.vae_scale = train.get("vae_scale", stats["vae_scale"])
+    # the simulator the episodes came from, so fresh levels, clips and the evaluation match them
+    made = {"corridor": episodes["corridor"]}
+    stated = OmegaConf.to_container(raw.get("simulator") or OmegaConf.create({}))
+    clash = {k: (stated[k], v) for k, v in made.items() if k in stated and stated[k] != v}
+    if clash:
+        raise SystemExit(f"error: {args.config} says simulator {', '.join(f'{k}: {a}' for k, (a, _) in clash.items())}, "
+                         f"but the episodes in {data_dir} were made with "
+                         f"{', '.join(f'--{k} {b}' for k, (_, b) in clash.items())}; fix the config or pass --data")
+    raw.simulator = {**stated, **made}
+    out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(
-        f"# Written by scripts.export_checkpoint from {args.config} (train.vae_scale measured by scripts.encode_latents).\n"
+        f"# Written by scripts.export_checkpoint from {args.config} (train.vae_scale measured by scripts.encode_latents;\n"
+        f"# simulator: the maze of the episodes behind {Path(args.latents) / 'stats.json'}).\n"
         "# inference: the default cache plan, chosen from scripts.quality_kv / bench_kv (README).\n"
         + OmegaConf.to_yaml(raw))
     world = load_config(out / "config.yaml")
@@ -187,14 +209,12 @@ def main(argv=None):
     shutil.rmtree(clip_dir, ignore_errors=True)
     clip_dir.mkdir(parents=True)
     c, s = world.model.channels, world.model.sample_size
-    size = coder.decode(torch.zeros(1, c, s, s)).shape[-1]  # frame size the decoder produces
+    sim = world.sim_config(*coder.decode(torch.zeros(1, c, s, s)).shape[-2:])  # at the decoder's frame size
     for i in range(args.clips):
-        clip, _ = level_clip(coder, CLIP_SEED + i, world.pipeline.window_frames, args.future, size)
+        clip, _ = level_clip(coder, CLIP_SEED + i, world.pipeline.window_frames, args.future, sim)
         clip.save(clip_dir / f"clip_{i:02d}.safetensors")
 
     vae_metrics = json.loads((Path(args.vae) / "metrics.json").read_text())
-    data_dir = Path(args.data) if args.data else Path(args.latents).parent / "data"
-    manifest = json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").is_file() else {}
     ev = json.loads(Path(args.eval).read_text()) if args.eval else None
     n_params = sum(v.numel() for v in state.values())
 
@@ -205,7 +225,7 @@ def main(argv=None):
         f"{world.model.sample_size}x{world.model.sample_size} latents, window {world.pipeline.window_frames} frames) "
         "trained from scratch on our maze simulator (owl_wms/simulator.py). Recreate it with:", "",
         "```",
-        *chain_commands(manifest.get("policy", "explore"), train, vae_metrics, args.world),
+        *chain_commands(episodes, train, vae_metrics, args.world),
         "```", "",
         "Every stage is seeded and resumable and takes `--device` (cuda when present). Wall times below are",
         "each stage's runs on the machine named (all of them for a stage stopped and resumed), while other",
@@ -213,7 +233,8 @@ def main(argv=None):
         "| figure | value |", "|---|---|",
         f"| machine | {machine()}, torch {torch.__version__} |",
         f"| data | {manifest.get('episodes', '?')} episodes x {manifest.get('frames', '?')} frames, "
-        f"{manifest.get('policy', 'explore')} policy, {minutes(manifest)} |",
+        f"{episodes['policy']} policy, corridors {made['corridor']} grid unit"
+        f"{'s' if made['corridor'] > 1 else ''} wide, {minutes(manifest)} |",
         f"| VAE held-out reconstruction PSNR | {vae_metrics['held_out_psnr_db']:.2f} dB "
         f"({vae_row(vae_metrics)}) |",
         f"| encode | vae_scale (latent std) {stats['vae_scale']:.4f}, {minutes(stats)} |",

@@ -1,6 +1,6 @@
 """Stage 1: simulator episodes (frames + actions) for training.
 
-    python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0] [--policy explore]
+    python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0] [--policy explore] [--corridor 1]
 
 One safetensors file per episode (``frames`` uint8 [n,H,W,3], ``mouse`` [n,2], ``buttons``
 [n,11]; metadata: level seed). Level seeds are ``seed + i``; held-out evaluation uses
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from owl_wms.data import POLICY_STYLES, rollout_episode
+from owl_wms.data import EPISODE_OPTIONS, POLICY_STYLES, episode_options, rollout_episode
 from owl_wms.simulator import SimConfig
 from owl_wms.training import file_stage_clock
 
@@ -30,18 +30,25 @@ def main(argv=None):
     p.add_argument("--frames", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="first level seed")
     p.add_argument("--size", type=int, default=64, help="frame width = height")
-    p.add_argument("--policy", default="explore", choices=sorted(POLICY_STYLES),
+    p.add_argument("--corridor", type=int, default=EPISODE_OPTIONS["corridor"],
+                   help="floor width of the maze's corridors in grid units (owl_wms.simulator.SimConfig.corridor)")
+    p.add_argument("--policy", default=EPISODE_OPTIONS["policy"], choices=sorted(POLICY_STYLES),
                    help="mouse style of the exploring policy (owl_wms.data)")
     args = p.parse_args(argv)
+    try:
+        cfg = SimConfig(width=args.size, height=args.size, corridor=args.corridor)
+    except ValueError as exc:
+        p.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = SimConfig(width=args.size, height=args.size)
     manifest = out / "manifest.json"
     before = json.loads(manifest.read_text()) if manifest.is_file() else {}
     if before:  # resuming: never mix episodes of two policies or sizes in one folder
-        for key, now in (("policy", args.policy), ("size", args.size), ("frames", args.frames)):
-            if before.get(key, "explore" if key == "policy" else None) != now:
-                raise SystemExit(f"error: {out} holds episodes made with --{key} {before.get(key)}; this run asks "
+        made = {**before, **episode_options(before)}
+        for key, now in (("policy", args.policy), ("size", args.size), ("frames", args.frames),
+                         ("corridor", args.corridor)):
+            if made.get(key) != now:
+                raise SystemExit(f"error: {out} holds episodes made with --{key} {made.get(key)}; this run asks "
                                  f"for {now}. Use another --out, or delete {out} to start over")
     todo = [s for s in range(args.seed, args.seed + args.episodes) if not (out / f"ep_{s:06d}.safetensors").exists()]
     stage_time = file_stage_clock(before, args.episodes, len(todo))
@@ -54,7 +61,7 @@ def main(argv=None):
         os.replace(tmp, final)
     manifest.write_text(json.dumps({
         "episodes": args.episodes, "frames": args.frames, "size": args.size, "first_seed": args.seed, "policy": args.policy,
-        "supersample": cfg.supersample, **stage_time()}, indent=2))
+        "corridor": args.corridor, "supersample": cfg.supersample, **stage_time()}, indent=2))
     print(f"{args.episodes} episodes of {args.frames} frames in {out}")
 
 

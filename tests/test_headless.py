@@ -142,6 +142,30 @@ def test_ground_truth_exhaustion_is_a_clear_error_and_keeps_the_video(tmp_path):
     assert "(3 frames) - stopped by an error" in r.stdout and count_frames(out) == 3
 
 
+def test_fresh_levels_come_from_the_simulator_the_world_was_trained_on(tmp_path):
+    """A world whose config says ``simulator: {corridor: 2}`` starts --world-seed levels, and
+    the evaluation's episodes, in that maze (its history encodes the wide maze's frames)."""
+    import shutil
+
+    from owl_wms.data import rollout_episode
+    from owl_wms.evaluation import Episode, replay
+
+    ckpt = tmp_path / "wide"
+    shutil.copytree(REPO / "checkpoints" / "untrained-tiny", ckpt)
+    with open(ckpt / "config.yaml", "a") as f:
+        f.write("simulator:\n  corridor: 2\n")
+    pipe = CausvidPipeline.from_checkpoint(ckpt, verbose=False)
+    assert pipe.sim_config.corridor == 2 and (pipe.sim_config.height, pipe.sim_config.width) == pipe.frame_shape
+    clip = pipe.load_world(3, future=4)
+    wide, _, _ = rollout_episode(3, pipe.window, config=pipe.sim_config)
+    narrow, _, _ = rollout_episode(3, pipe.window)
+    assert torch.equal(clip.latents, pipe.decoder.encode_uint8(wide))
+    assert not torch.equal(clip.latents, pipe.decoder.encode_uint8(narrow))
+    ep = Episode(pipe, 3, 4)
+    assert np.array_equal(ep.frames[:pipe.window], wide)
+    assert replay(ep, 5).grid.shape == (22, 22)  # the turn diagnostic replays the same wide level
+
+
 def test_world_seed_starts_from_a_fresh_simulator_level(tmp_path):
     pipe = CausvidPipeline.from_checkpoint(verbose=False)
     clip = pipe.load_world(3, future=40)

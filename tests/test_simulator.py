@@ -186,3 +186,65 @@ def test_turn_wall_statistics_see_explores_turns_at_walls(capsys):
     assert st["turning_median_wall"] < 0.6 * st["steady_median_wall"]
     policy_stats.main(["--policy", "explore", "--levels", "1", "--frames", "32"])
     assert '"style": "explore"' in capsys.readouterr().out
+
+
+def reachable(grid, start) -> np.ndarray:
+    """Floor cells a walker reaches from ``start`` (4-neighbours, doors open)."""
+    free, seen, todo = (grid == EMPTY) | (grid == DOOR), np.zeros(grid.shape, dtype=bool), [tuple(start)]
+    while todo:
+        i, j = todo.pop()
+        if free[i, j] and not seen[i, j]:
+            seen[i, j] = True
+            todo += [(i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)]
+    return seen
+
+
+def test_one_unit_corridors_are_the_maze_the_shipped_world_learned():
+    """corridor=1 draws the same levels as before the option existed (sha256 of the grids then)."""
+    import hashlib
+
+    from owl_wms.simulator import generate_maze
+
+    pinned = {0: "cbf9d4b48df07ba0", 1: "ca9f44978dab4c5d", 7: "9129d3061b5ee7bf", 123: "44d4749d78fde0e7"}
+    for seed, digest in pinned.items():
+        grid, _ = generate_maze(seed, 7, SimConfig.door_prob, SimConfig.switch_prob)
+        assert hashlib.sha256(np.ascontiguousarray(grid, dtype=np.int64).tobytes()).hexdigest()[:16] == digest
+
+
+@pytest.mark.parametrize("corridor", [2, 3])
+def test_wide_corridors_are_a_connected_maze_of_wide_passages(corridor):
+    from owl_wms.simulator import generate_maze
+
+    for seed in range(4):
+        grid, _ = generate_maze(seed, 5, 0.12, 0.08, corridor=corridor)
+        assert grid.shape == ((corridor + 1) * 5 + 1,) * 2
+        open_ = (grid == EMPTY) | (grid == DOOR)
+        assert (reachable(grid, np.argwhere(open_)[0]) == open_).all()  # every floor cell and door can be walked to
+        # every floor cell lies in a corridor x corridor block of floor: no passage narrower than a cell
+        n = grid.shape[0] - corridor + 1
+        blocks = np.array([[open_[i:i + corridor, j:j + corridor].all() for j in range(n)] for i in range(n)])
+        covered = np.zeros_like(open_)
+        for i, j in np.argwhere(blocks):
+            covered[i:i + corridor, j:j + corridor] = True
+        assert (covered == open_).all()
+    with pytest.raises(ValueError, match="SimConfig.corridor must be a whole number >= 1, got 0"):
+        SimConfig(corridor=0)
+
+
+def test_e_opens_a_wide_door_whole():
+    cfg = SimConfig(corridor=2)
+    sim = next(s for s in (MazeSim(seed, cfg) for seed in range(50)) if (s.grid == DOOR).any())
+    door = face(sim, DOOR)
+    doors = (sim.grid == DOOR).sum()
+    sim.step([0, 0], press(E))
+    assert sim.grid[door] == EMPTY and (sim.grid == DOOR).sum() == doors - 2  # both cells of the passage
+
+
+def test_wide_corridors_show_walls_further_away():
+    """What wider corridors change for a world model: more of the view is deep, at every turn."""
+    from owl_wms.data import turn_wall_statistics
+
+    narrow, wide = (turn_wall_statistics("explore", levels=2, frames=96, corridor=c) for c in (1, 2))
+    assert wide["corridor"] == 2
+    assert wide["steady_median_wall"] > 1.15 * narrow["steady_median_wall"]
+    assert wide["steady_near_share"] < narrow["steady_near_share"]

@@ -48,6 +48,13 @@ def test_stages_resume(chain, capsys):
     with pytest.raises(SystemExit, match="--policy explore; this run asks for lively"):  # never mix two policies
         generate_data.main(["--out", str(chain / "data"), "--episodes", "4", "--frames", "24", "--seed", "5",
                             "--policy", "lively"])
+    with pytest.raises(SystemExit, match="--corridor 1; this run asks for 2"):  # nor two mazes
+        generate_data.main(["--out", str(chain / "data"), "--episodes", "4", "--frames", "24", "--seed", "5",
+                            "--corridor", "2"])
+    with pytest.raises(SystemExit):
+        generate_data.main(["--out", str(chain / "x"), "--episodes", "1", "--corridor", "0"])
+    assert "SimConfig.corridor must be a whole number >= 1, got 0" in capsys.readouterr().err
+    assert not (chain / "x").exists()
 
 
 def test_file_stages_keep_their_time_over_reruns(chain, tmp_path):
@@ -96,13 +103,13 @@ def test_decoder_only_fine_tune_keeps_the_encoder(chain, tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
     metrics = json.loads((tmp_path / "dec" / "final" / "metrics.json").read_text())
     assert metrics["decoder_only"] and metrics["base"] == json.loads((base / "metrics.json").read_text())
-    recipe = chain_commands("explore", {"batch": 4, "steps": 8}, metrics)
+    recipe = chain_commands({}, {"batch": 4, "steps": 8}, metrics)
     assert recipe[1].split("#")[0].strip() == f"python -m scripts.train_vae --steps {metrics['base']['steps']}"
     assert recipe[2].split("#")[0].strip() == ("python -m scripts.train_vae --init work/vae/final --decoder-only "
                                                "--out work/vae_decoder --steps 3 --lr 0.003")
     assert all("--vae work/vae_decoder/final" in c for c in recipe if "export_checkpoint" in c)
     with pytest.raises(SystemExit, match="no metrics.json"):
-        chain_commands("explore", {"batch": 4, "steps": 8}, {**metrics, "base": None})
+        chain_commands({}, {"batch": 4, "steps": 8}, {**metrics, "base": None})
 
 
 def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypatch):
@@ -151,7 +158,18 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
               "--clips", "2", "--future", "20"]
     export_checkpoint.main(export)
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
-    assert card.count("|") > 10 and "3 episodes x 24 frames, explore policy" in card
+    assert card.count("|") > 10 and "3 episodes x 24 frames, explore policy, corridors 1 grid unit wide" in card
+    # the checkpoint names the simulator its episodes came from; a config that says otherwise is refused
+    assert load_config(tmp_path / "ckpt" / "config.yaml").simulator == {"corridor": 1}
+    (tmp_path / "wide.yaml").write_text((tmp_path / "tiny.yaml").read_text() + "simulator:\n  corridor: 2\n")
+    with pytest.raises(SystemExit, match=r"says simulator corridor: 2, but the episodes in .* were made with --corridor 1"):
+        export_checkpoint.main(["--config", str(tmp_path / "wide.yaml"), *export[2:-6], "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "other").mkdir()  # the latents record their episodes: --data of other episodes is refused
+    (tmp_path / "other" / "manifest.json").write_text(json.dumps({"policy": "explore", "corridor": 2}))
+    with pytest.raises(SystemExit, match=r"were encoded from episodes made with \{'policy': 'explore', 'corridor': 1\}"):
+        export_checkpoint.main([*export[:-6], "--data", str(tmp_path / "other"), "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
     vae_record = (chain / "vae" / "final" / "metrics.json").read_text()
     assert f"python -m scripts.train_vae --steps {json.loads(vae_record)['steps']} " in card  # the recipe makes this VAE
     # the VAE's training record travels with it, so the checkpoint's vae/ can be a later --vae,
@@ -233,7 +251,7 @@ def test_model_card_recipe_follows_the_data_policy():
     from scripts.export_checkpoint import chain_commands
 
     runs = {"runs": [{"batch": 4, "from_step": 0, "to_step": 1100}, {"batch": 4, "from_step": 1100, "to_step": 1800}]}
-    explore = chain_commands("explore", runs, {"steps": 5000})
+    explore = chain_commands({"policy": "explore", "corridor": 1}, runs, {"steps": 5000})
     assert not any("--policy" in c or "--latents" in c for c in explore)
     assert explore[1].split("#")[0].strip() == "python -m scripts.train_vae --steps 5000"  # the VAE's own steps
     assert [c.split("#")[0].strip() for c in explore if "train_world" in c] == [
@@ -242,18 +260,25 @@ def test_model_card_recipe_follows_the_data_policy():
     stopped = {"runs": [{"batch": 4, "from_step": 0, "to_step": 1100, "target": 1100},
                         {"batch": 4, "from_step": 1100, "to_step": 1250, "target": 1800},
                         {"batch": 4, "from_step": 1250, "to_step": 1800, "target": 1800}]}
-    assert chain_commands("explore", stopped, {"steps": 5000}) == explore
-    lively = chain_commands("lively", runs, {"steps": 5000})
+    assert chain_commands({}, stopped, {"steps": 5000}) == explore  # a manifest from before the options
+    lively = chain_commands({"policy": "lively"}, runs, {"steps": 5000})
     # the VAE still learns from the exploring episodes; the world model's data, latents and export follow the policy
     assert lively[:2] == explore[:2]
     assert "generate_data --policy lively --out work/data_lively" in lively[2]
     assert "encode_latents --data work/data_lively --out work/latents_lively" in lively[3]
     assert all("--latents work/latents_lively" in c for c in lively if "train_world" in c or "export" in c)
     assert all("--data work/data_lively" in c for c in lively if "export" in c)
+    # wider corridors: the world's own episodes, named by every option that differs from the default
+    wide = chain_commands({"policy": "explore", "corridor": 2}, runs, {"steps": 5000})
+    assert wide[:2] == explore[:2] and "generate_data --corridor 2 --out work/data_corridor2" in wide[2]
+    assert "encode_latents --data work/data_corridor2 --out work/latents_corridor2" in wide[3]
+    assert all("--latents work/latents_corridor2" in c for c in wide if "train_world" in c or "export" in c)
+    both = chain_commands({"policy": "lively", "corridor": 3}, runs, {"steps": 5000})
+    assert "generate_data --policy lively --corridor 3 --out work/data_lively_corridor3" in both[2]
     # flags beyond --batch/--steps come back as typed; a change of them is a new command
     flagged = {"runs": [{"batch": 4, "from_step": 0, "to_step": 900, "target": 2600, "options": "--target-frac 0.5 --compile"},
                         {"batch": 4, "from_step": 900, "to_step": 2600, "target": 2600, "options": "--target-frac 0.5 --compile"}]}
-    assert [c.split("#")[0].strip() for c in chain_commands("explore", flagged, {"steps": 5000}) if "train_world" in c] == [
+    assert [c.split("#")[0].strip() for c in chain_commands({}, flagged, {"steps": 5000}) if "train_world" in c] == [
         "python -m scripts.train_world --batch 4 --steps 2600 --target-frac 0.5 --compile"]
 
 
