@@ -185,8 +185,8 @@ def load_config(path: str | Path) -> WorldConfig:
     controls = OmegaConf.to_container(raw.get("controls") or OmegaConf.create({}), resolve=True)
     simulator = parse_simulator(raw.get("simulator"), str(path))
     return WorldConfig(model=model, vae_scale=vae_scale, pipeline=pipeline, decoder=decoder,
-                       inference=inference, controls=controls, simulator=simulator, name=str(meta.get("name", path.parent.name)),
-                       trained=bool(meta.get("trained", True)), path=path)
+                       inference=inference, controls=controls, simulator=simulator,
+                       name=str(meta.get("name", path.parent.name)), trained=bool(meta.get("trained", True)), path=path)
 
 
 SIM_KEYS = sorted(f.name for f in dataclasses.fields(SimConfig) if f.name not in ("width", "height"))

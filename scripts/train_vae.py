@@ -2,6 +2,7 @@
 
     python -m scripts.train_vae --data work/data --out work/vae [--steps 6000] [--device cpu]
     python -m scripts.train_vae --init work/vae/final --decoder-only --out work/vae_dec --steps 3000
+    python -m scripts.train_vae --init checkpoints/maze-world/vae --data work/data_corridor2 --score-only
 
 --decoder-only fine-tunes the decoder of a trained autoencoder with its encoder frozen (as
 Stable Diffusion's ft-MSE VAE was made): the latents do not change, so a world model trained
@@ -31,6 +32,15 @@ def base_metrics(folder: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def held_out_psnr(ae, frames: torch.Tensor, device: str) -> float:
+    """Reconstruction PSNR (dB) of uint8 frames [N, 3, H, W]; leaves the autoencoder in eval mode."""
+    ae.eval()
+    with torch.no_grad():
+        x = to_unit(frames).to(device)
+        rec = torch.cat([ae.decode(ae.encode(c).latents).sample for c in x.split(256)])
+    return psnr(rec, x)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="work/data")
@@ -48,19 +58,25 @@ def main(argv=None):
     p.add_argument("--held-out", type=int, default=4, help="episodes kept for validation")
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--score-only", action="store_true",
+                   help="print the --init autoencoder's held-out reconstruction PSNR on --data and stop (trains nothing)")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     frames = load_frames(args.data)
     per_ep = frames.shape[0] // len(list(Path(args.data).glob("ep_*.safetensors")))
     train, val = frames[: -args.held_out * per_ep], frames[-args.held_out * per_ep:][::8]
-    if args.decoder_only and not args.init:
-        p.error("--decoder-only fine-tunes a trained autoencoder: give its save_pretrained folder with --init")
+    if (args.decoder_only or args.score_only) and not args.init:
+        p.error("--decoder-only and --score-only take a trained autoencoder: give its save_pretrained folder with --init")
     ae = load_autoencoder(args.init) if args.init else build_autoencoder(args.channels, args.width)
     ae = ae.to(args.device, memory_format=torch.channels_last)
+    if args.score_only:
+        print(f"held-out reconstruction PSNR {held_out_psnr(ae, val, args.device):.2f} dB "
+              f"({val.shape[0]} frames of the last {args.held_out} episodes in {args.data})")
+        return
+    out.mkdir(parents=True, exist_ok=True)
     if args.decoder_only:
         ae.encoder.requires_grad_(False)  # no graph through it: the loss's encode is inference only
     device_type = torch.device(args.device).type
@@ -72,12 +88,9 @@ def main(argv=None):
     clock = RunLog(runs or [], step, args.batch, args.steps)  # a state from before run records: this run's time only
 
     def evaluate():
-        ae.eval()
-        with torch.no_grad():
-            x = to_unit(val).to(args.device)
-            rec = torch.cat([ae.decode(ae.encode(c).latents).sample for c in x.split(256)])
+        score = held_out_psnr(ae, val, args.device)
         ae.train()
-        return psnr(rec, x)
+        return score
 
     bar = tqdm(total=args.steps, initial=step, desc="vae", unit="step")
     while step < args.steps:

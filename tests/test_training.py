@@ -112,6 +112,19 @@ def test_decoder_only_fine_tune_keeps_the_encoder(chain, tmp_path):
         chain_commands({}, {"batch": 4, "steps": 8}, {**metrics, "base": None})
 
 
+def test_score_only_reports_the_held_out_psnr_the_training_recorded(chain, tmp_path, capsys):
+    from scripts import train_vae
+
+    final = chain / "vae" / "final"
+    train_vae.main(["--data", str(chain / "data"), "--init", str(final), "--held-out", "1", "--score-only",
+                    "--out", str(tmp_path / "untouched")])
+    recorded = json.loads((final / "metrics.json").read_text())["held_out_psnr_db"]
+    assert f"held-out reconstruction PSNR {recorded:.2f} dB" in capsys.readouterr().out
+    assert not (tmp_path / "untouched").exists()  # it trains and writes nothing
+    with pytest.raises(SystemExit):
+        train_vae.main(["--data", str(chain / "data"), "--score-only"])  # no --init
+
+
 def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypatch):
     from scripts import train_world
 
