@@ -19,7 +19,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from omegaconf import OmegaConf
 
-from owl_wms.config import load_config
+from owl_wms.config import SIM_KEYS, load_config
 from owl_wms.data import EPISODE_OPTIONS, episode_options, level_clip
 from owl_wms.training import WORLD_RECORD
 
@@ -173,7 +173,7 @@ def main(argv=None):
     # the scale the model was trained with: the latents' own, or a fine-tune's --init world's
     raw.train.vae_scale = train.get("vae_scale", stats["vae_scale"])
     # the simulator the episodes came from, so fresh levels, clips and the evaluation match them
-    made = {"corridor": episodes["corridor"]}
+    made = {k: v for k, v in episodes.items() if k in SIM_KEYS}
     stated = OmegaConf.to_container(raw.get("simulator") or OmegaConf.create({}))
     clash = {k: (stated[k], v) for k, v in made.items() if k in stated and stated[k] != v}
     if clash:
