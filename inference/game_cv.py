@@ -2,6 +2,7 @@
 
     python -m inference.game_cv                                   # play the default world
     python -m inference.game_cv --headless --frames 64 --out x.mp4 --actions walk_turn
+    python -m inference.game_cv --headless --beside-simulator      # the simulator (left) beside the model
     torchrun --nproc-per-node 2 -m inference.game_cv --headless --tp 2 --out x.mp4   # heads on 2 ranks
 """
 from __future__ import annotations
@@ -43,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="rollout.mp4", help="output mp4 for --headless")
     p.add_argument("--actions", default="walk_turn",
                    help=f"built-in script ({', '.join(BUILTIN)}; 'random:SEED') or a JSON-lines action file")
+    p.add_argument("--beside-simulator", action="store_true",
+                   help="headless: put the simulator's frames under the same actions, from the same level, left "
+                        "of the model's (the start must record its level: --world-seed N or an exported clip)")
     p.add_argument("--fps", type=float, default=15.0, help="frame rate written into the video")
     p.add_argument("--scale", type=int, default=4, help="integer upscaling of the video / window")
     p.add_argument("--save-frames", default=None,
@@ -109,6 +113,44 @@ def save_frames(path: Path, frames: list):
     tmp.replace(path)
 
 
+class SimulatorBeside:
+    """The simulator's view of the level the model's history came from, stepped with the controls
+    each generated frame used (the clip's recorded ones in ground-truth mode), so the video shows
+    the truth beside the dream: ``frame(controls, model_frame)`` -> [simulator | gap | model]."""
+
+    GAP = 2  # black columns between the two views
+
+    def __init__(self, pipe: CausvidPipeline):
+        self.pipe, self.bookmark = pipe, None
+        self.start()
+
+    def start(self):
+        """Back to the end of the current clip's history (a new clip, a restart)."""
+        from owl_wms.evaluation import replay_clip
+
+        self.sim = replay_clip(self.pipe.clip, *self.pipe.frame_shape)
+
+    def handle(self, event: dict):
+        """Follow a pipeline event that moves the history (called after the pipeline's)."""
+        import copy
+
+        name = event["event"]
+        if name in ("restart", "clip", "world_seed"):
+            self.start()
+        elif name == "snapshot":
+            self.bookmark = copy.deepcopy(self.sim)
+        elif name == "restore":
+            self.sim = copy.deepcopy(self.bookmark)
+
+    def frame(self, controls, model_frame):
+        import numpy as np
+
+        mouse, buttons = controls
+        real = self.sim.step(mouse.tolist(), buttons.tolist())
+        gap = np.zeros((real.shape[0], self.GAP, 3), np.uint8)
+        return np.concatenate([real, gap, model_frame], axis=1)
+
+
 def run_headless(args, tp: ParallelContext | None = None) -> int:
     from tqdm import tqdm
 
@@ -127,6 +169,7 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
     try:
         with StopOnSigint() as stop:
             pipe = build_pipeline(args, tp)
+            beside = SimulatorBeside(pipe) if args.beside_simulator else None
             start = time.perf_counter()
             bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
             for item in items:
@@ -135,10 +178,13 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
                     break
                 if is_event(item):
                     apply_event(pipe, item)
+                    if beside is not None:
+                        beside.handle(item)
                     continue
+                controls = pipe.next_controls(*item) if beside is not None else None  # before the frame uses them
                 frame, secs = pipe(*item)
                 pipe_seconds += secs
-                writer.write(frame.numpy())
+                writer.write(frame.numpy() if beside is None else beside.frame(controls, frame.numpy()))
                 if frames_path is not None:
                     raw.append(frame.numpy())
                 bar.update(1)
@@ -188,6 +234,8 @@ def main(argv=None) -> int:
         tp = launch_tp(args)
         if tp is not None and not args.headless:
             raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
+        if args.beside_simulator and not args.headless:
+            raise ValueError("--beside-simulator renders to the video only; add --headless")
         return run_headless(args, tp) if args.headless else run_play(args)
     except USER_ERRORS as exc:
         if tp is not None:

@@ -3,10 +3,14 @@
 File format (safetensors): ``latents [n, c, h, w]`` raw VAE latents (not divided by
 vae_scale), ``mouse [n, 2]`` and ``buttons [n, 11]`` for every frame; metadata
 ``history_frames`` says how many leading frames form the history. The remaining controls
-(and latents, when present) are the recorded future used by ground-truth replay.
+(and latents, when present) are the recorded future used by ground-truth replay. A clip
+rendered from a simulator level also records it (metadata ``level``: JSON with the level
+``seed`` and the ``simulator`` options), so the simulator can replay the history and play on
+beside the model (``owl_wms.evaluation.replay_clip``).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +26,7 @@ class Clip:
     buttons: torch.Tensor  # [n, 11]
     history_frames: int
     name: str = "clip"
+    level: dict | None = None  # {"seed": level seed, "simulator": SimConfig options} when rendered from one
 
     @property
     def future_mouse(self):
@@ -42,7 +47,8 @@ class Clip:
     def save(self, path: str | Path):
         save_file({"latents": self.latents.contiguous().float(), "mouse": self.mouse.contiguous().float(),
                    "buttons": self.buttons.contiguous().float()}, str(path),
-                  metadata={"history_frames": str(self.history_frames)})
+                  metadata={"history_frames": str(self.history_frames),
+                            **({"level": json.dumps(self.level)} if self.level is not None else {})})
 
 
 def load_clip(path: str | Path, channels: int, sample_size: int) -> Clip:
@@ -63,7 +69,15 @@ def load_clip(path: str | Path, channels: int, sample_size: int) -> Clip:
     if mouse.shape != (n, 2) or buttons.shape != (n, 11) or lat.shape[0] > n:
         raise ValueError(f"clip {str(path)!r}: mouse {tuple(mouse.shape)} / buttons {tuple(buttons.shape)} "
                          f"must be [n, 2] / [n, 11] with n >= {lat.shape[0]} latent frames")
-    return Clip(lat.float(), mouse.float(), buttons.float(), int(meta["history_frames"]), path.stem)
+    level = None
+    if "level" in meta:
+        try:
+            level = json.loads(meta["level"])
+            int(level["seed"]), dict(level["simulator"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"clip {str(path)!r}: metadata level {meta['level']!r} is not "
+                             f'{{"seed": N, "simulator": {{...}}}} ({exc})') from exc
+    return Clip(lat.float(), mouse.float(), buttons.float(), int(meta["history_frames"]), path.stem, level)
 
 
 def list_clips(folder: str | Path) -> list[Path]:

@@ -13,6 +13,8 @@ motion so far.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -32,10 +34,20 @@ def episode_options(manifest: dict) -> dict:
     return {key: manifest.get(key, default) for key, default in EPISODE_OPTIONS.items()}
 
 
-# style -> (mouse persistence per frame, weight of the new draw, its std [dx, dy] in mouse units);
-# the weights are written out, not computed as 1 - persistence, so "explore" stays bit-identical
-# to the data the shipped world was trained on.
-POLICY_STYLES = {"explore": (0.85, 0.15, (7.0, 2.0)), "lively": (0.5, 0.5, (12.0, 4.0))}
+@dataclasses.dataclass(frozen=True)
+class PolicyStyle:
+    persist: float  # mouse persistence per frame
+    innovation: float  # weight of the new draw (written out, not 1 - persist, so "explore" stays
+    mouse_std: tuple[float, float]  # bit-identical to the data the earlier worlds learned); its std [dx, dy]
+    still_start: float = 0.0  # per-frame chance to let go of the mouse: it then sends exactly (0, 0),
+    still_hold: float = 0.0  # as a player at rest does; chance per frame to keep it let go
+
+
+# "still": explore, but about a quarter of the frames (stretches of about 9) leave the mouse alone,
+# so a world learns the (0, 0) that idle, forward, walk_turn and a resting player send: explore
+# never sends it, and a world trained on explore alone answers it worse than any small motion
+POLICY_STYLES = {"explore": PolicyStyle(0.85, 0.15, (7.0, 2.0)), "lively": PolicyStyle(0.5, 0.5, (12.0, 4.0)),
+                 "still": PolicyStyle(0.85, 0.15, (7.0, 2.0), still_start=0.05, still_hold=0.9)}
 
 
 class ExplorerPolicy:
@@ -48,8 +60,10 @@ class ExplorerPolicy:
     def __init__(self, seed: int, style: str = "explore"):
         if style not in POLICY_STYLES:
             raise ValueError(f"unknown policy style {style!r}; choose one of {sorted(POLICY_STYLES)}")
-        self.persist, self.innovation, self.mouse_std = POLICY_STYLES[style]
+        self.style = POLICY_STYLES[style]
+        self.persist, self.innovation, self.mouse_std = self.style.persist, self.style.innovation, self.style.mouse_std
         self.rng = np.random.default_rng(seed)
+        self.still = False  # the mouse let go
         self.held = np.zeros(11, dtype=bool)
         self.mouse = np.zeros(2)
         self.turn = 0.0  # committed turn (mouse x) while avoiding a wall
@@ -65,10 +79,16 @@ class ExplorerPolicy:
         self.mouse[1] += 0.08 * sim.state.tilt / sim.cfg.tilt_per_px  # drift the view back level
         depth = sim.depth if sim.depth is not None else np.full(sim.cfg.width, 9.0)
         centre = depth[len(depth) // 3: 2 * len(depth) // 3].min()
+        if self.style.still_start:  # no draw otherwise: explore and lively stay bit-identical
+            self.still = rng.random() < (self.style.still_hold if self.still else self.style.still_start)
         if self.turn == 0.0 and centre < 0.9:
             self.turn = float(rng.choice([-1, 1]) * rng.uniform(6, 12))
         elif centre > 1.6:
             self.turn = 0.0
+        if self.still and self.turn == 0.0:
+            self.mouse = np.zeros(2)  # the hand comes back to a mouse at rest
+            return [0.0, 0.0], self.held.astype(int).tolist()
+        self.still = False  # a close wall brings the hand back to turn
         mouse = self.mouse + np.array([self.turn, 0.0])
         return [round(float(mouse[0]), 3), round(float(mouse[1]), 3)], self.held.astype(int).tolist()
 
@@ -104,7 +124,7 @@ def level_clip(coder, seed: int, window: int, future: int, config: SimConfig, na
     policy actions. Returns (clip, the level's uint8 frames [window + future, H, W, 3])."""
     frames, mouse, buttons = rollout_episode(seed, window + future, config=config, style=style)
     clip = Clip(coder.encode_uint8(frames[:window]), torch.from_numpy(mouse), torch.from_numpy(buttons), window,
-                name=name or f"level-{seed}")
+                name=name or f"level-{seed}", level={"seed": seed, "simulator": dataclasses.asdict(config)})
     return clip, frames
 
 

@@ -25,7 +25,7 @@ import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
 from .data import level_clip
-from .simulator import MazeSim
+from .simulator import MazeSim, SimConfig
 
 
 def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
@@ -34,6 +34,13 @@ def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
     r = torch.from_numpy(np.ascontiguousarray(real)).permute(2, 0, 1)[None].float()
     return (float(peak_signal_noise_ratio(p, r, data_range=255.0)),
             float(structural_similarity_index_measure(p, r, data_range=255.0)))
+
+
+def standard_error(values) -> float:
+    """Standard error of the mean of per-level figures: levels differ far more than frames of one
+    level do, so a figure over 8 levels moves by this much from one set of levels to another."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
 
 
 class Episode:
@@ -115,14 +122,37 @@ def action_response(pipe, ep: Episode, other: Episode, n: int) -> list[float]:
     return out
 
 
-def replay(ep: Episode, frames: int) -> MazeSim:
-    """The episode's simulator after its first ``frames`` recorded actions (the same frames:
-    the simulator is deterministic and the actions are stored exactly as they were played)."""
-    sim = MazeSim(ep.seed, ep.sim_config)
+def replay_level(seed: int, config: SimConfig, mouse, buttons) -> MazeSim:
+    """Level ``seed`` of the simulator ``config`` after the recorded actions (mouse [n, 2],
+    buttons [n, 11]): the state their last frame shows (the simulator is deterministic and
+    recorded actions are stored exactly as they were played)."""
+    sim = MazeSim(seed, config)
     sim.render()
-    for i in range(frames):
-        sim.step(ep.clip.mouse[i].tolist(), ep.clip.buttons[i].tolist())
+    for m, b in zip(mouse, buttons):
+        sim.step(m.tolist(), b.tolist())
     return sim
+
+
+def replay(ep: Episode, frames: int) -> MazeSim:
+    """The episode's simulator after its first ``frames`` recorded actions."""
+    return replay_level(ep.seed, ep.sim_config, ep.clip.mouse[:frames], ep.clip.buttons[:frames])
+
+
+def replay_clip(clip, height: int, width: int) -> MazeSim:
+    """The simulator at the end of a clip's history (the state its last history frame shows),
+    rendering at height x width, so it can play on beside the model under the same actions.
+    The clip must record its level (clips rendered from one do; ``owl_wms.clips``)."""
+    if clip.level is None:
+        raise ValueError(f"clip {clip.name!r} does not record the simulator level it was rendered from, so the "
+                         f"simulator cannot replay it; start from a fresh level (--world-seed N) or re-export "
+                         f"the checkpoint's clips with scripts.export_checkpoint")
+    try:
+        config = SimConfig(**{**clip.level["simulator"], "height": height, "width": width})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"clip {clip.name!r} records simulator options {clip.level['simulator']} that this "
+                         f"simulator does not take: {exc}") from exc
+    n = clip.history_frames
+    return replay_level(int(clip.level["seed"]), config, clip.mouse[:n], clip.buttons[:n])
 
 
 def simulator_responses(ep: Episode, other: Episode, n: int, gap: tuple[int, int]) -> dict:
@@ -158,6 +188,15 @@ def horizontal_shift(a: np.ndarray, b: np.ndarray, max_shift: int = 12) -> int:
     shifts = list(range(-max_shift, max_shift + 1))
     err = [float(((x[:, max(s, 0):w + min(s, 0)] - y[:, max(-s, 0):w + min(-s, 0)]) ** 2).mean()) for s in shifts]
     return shifts[int(np.argmin(err))]
+
+
+def held_controls_psnr(pipe, ep: Episode, mouse: list[float], buttons: list[float], n: int) -> list[float]:
+    """PSNR against the simulator of the model's frames over ``n`` frames of holding the same
+    controls from the episode's real history: how a scripted walk (idle, forward, walk_turn)
+    starts. With the mouse exactly at rest, (0, 0), it asks for the input a player at rest sends."""
+    sim = replay(ep, ep.window)
+    pipe.load_clip(ep.clip)
+    return [frame_metrics(pipe(mouse, buttons)[0].numpy(), sim.step(mouse, buttons))[0] for _ in range(n)]
 
 
 def turn_following(pipe, ep: Episode, dx: float, n: int, frames: list | None = None) -> tuple[float, float]:

@@ -8,10 +8,14 @@ rollouts, every --sheet-every frames: the simulator's frames above the model's) 
 
 Teacher-forced next-frame PSNR/SSIM, autoregressive PSNR/SSIM per frame index, the action
 sensitivity gap (true actions minus another episode's, over --gap-range), and optionally
-the teacher-forced PSNR of an N-step Euler sampler for comparison (--euler-steps), and two
+the teacher-forced PSNR of an N-step Euler sampler for comparison (--euler-steps), and
 diagnostics: copy-previous PSNR (repeat the last real frame) and action response (PSNR between
-teacher-forced predictions under true and foreign actions with the same noise), and the
+teacher-forced predictions under true and foreign actions with the same noise), walking forward
+with the mouse at rest against barely moving (--rest-frames), and the
 simulator's own answers to the same questions (``owl_wms.evaluation.simulator_responses``).
+The target figures are also kept level by level (``per_level``) with the standard error of
+their means (``standard_error``): levels differ far more than frames do, so judge a target
+with it, and use more --episodes for a tighter figure.
 Level seeds start at owl_wms.data.HELD_OUT_SEED (+ --seed-offset): never used in training.
 """
 from __future__ import annotations
@@ -27,8 +31,8 @@ from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from owl_wms.data import HELD_OUT_SEED, POLICY_STYLES
-from owl_wms.evaluation import (Episode, action_response, autoregressive, copy_previous, rollout_sheet,
-                                 simulator_responses, teacher_forced, turn_following)
+from owl_wms.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
+                                 simulator_responses, standard_error, teacher_forced, turn_following)
 
 
 def mean_curve(runs: list[list[tuple[float, float]]], i: int) -> list[float]:
@@ -50,6 +54,9 @@ def main(argv=None):
     p.add_argument("--turn-dx", type=float, default=6.0,
                    help="mouse x of the held turns (each way) in the turn-following diagnostic")
     p.add_argument("--turn-frames", type=int, default=16)
+    p.add_argument("--rest-frames", type=int, default=4,
+                   help="frames of the at-rest diagnostic: walking forward with the mouse exactly at rest, (0, 0), "
+                        "and barely moving, (0.3, 0.1)")
     p.add_argument("--sheet-episodes", type=int, default=4,
                    help="episodes shown in rollouts.png (simulator above model, autoregressive)")
     p.add_argument("--sheet-every", type=int, default=4, help="frame step between rollouts.png columns")
@@ -70,6 +77,7 @@ def main(argv=None):
     n_ar = max(args.frames, hi)
     eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy) for s in tqdm(seeds, desc="episodes", unit="ep")]
     ar, tf, other, response, euler, sim, turns, sheet, turn_sheet = [], [], [], [], [], [], [], [], []
+    rest, nudged = [], []
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
         foreign = eps[(i + 1) % len(eps)]
         predicted = []
@@ -82,6 +90,9 @@ def main(argv=None):
         sim.append(simulator_responses(ep, foreign, args.tf_frames, (lo, hi)))
         shown = turn_sheet if i < args.sheet_episodes else None
         turns += [turn_following(pipe, ep, d * args.turn_dx, args.turn_frames, shown) for d in (1, -1)]
+        walk = [1.0] + [0.0] * 10
+        rest.append(held_controls_psnr(pipe, ep, [0.0, 0.0], walk, args.rest_frames))
+        nudged.append(held_controls_psnr(pipe, ep, [0.3, 0.1], walk, args.rest_frames))
     if args.euler_steps:
         two_step = pipe.schedule
         pipe.schedule = tuple(float(t) for t in torch.linspace(1, 0, args.euler_steps + 1))
@@ -90,6 +101,13 @@ def main(argv=None):
     ar_psnr, ar_ssim = mean_curve(ar, 0), mean_curve(ar, 1)
     true_gap = float(np.mean([x[0] for r in ar for x in r[lo - 1:hi]]))
     other_gap = float(np.mean([x[0] for r in other for x in r[lo - 1:hi]]))
+    # the target figures level by level (their means are the figures: every level has as many
+    # frames), and their standard errors: how far the means could move on other levels
+    per_level = {"teacher_forced_psnr": [float(np.mean([x[0] for x in r])) for r in tf],
+                 "action_gap_db": [float(np.mean([x[0] for x in a[lo - 1:hi]]) - np.mean([x[0] for x in o[lo - 1:hi]]))
+                                   for a, o in zip(ar, other)]}
+    if len(ar_psnr) >= 16:
+        per_level["ar_psnr_at_16"] = [r[15][0] for r in ar]
     report = {
         "command": " ".join(["python -m scripts.eval_world", *sys.argv[1:]]),
         "checkpoint": args.checkpoint, "weights": args.weights, "world": pipe.world.name, "seeds": seeds,
@@ -100,6 +118,7 @@ def main(argv=None):
         "ar_psnr_at_16": ar_psnr[15] if len(ar_psnr) >= 16 else None,
         "action_gap_db": true_gap - other_gap, "gap_range": [lo, hi],
         "ar_psnr_gap_range": true_gap, "ar_psnr_foreign_actions_gap_range": other_gap,
+        "per_level": per_level, "standard_error": {k: standard_error(v) for k, v in per_level.items()},
         # diagnostics: the no-model baseline, and how much foreign actions change a prediction
         "copy_previous_psnr": float(np.mean([x[0] for ep in eps for x in copy_previous(ep, args.tf_frames)])),
         "action_response_psnr": float(np.mean([x for r in response for x in r])),
@@ -112,6 +131,10 @@ def main(argv=None):
         "turn_shift_model": float(np.mean([m for m, _ in turns])),
         "turn_shift_sim": float(np.mean([r for _, r in turns])),
         "turn_dx": args.turn_dx, "turn_frames": args.turn_frames,
+        # walking forward from the real history with the mouse at rest, exactly (0, 0), as scripts and a
+        # resting player send it, and barely moving: a world that never saw a mouse at rest does worse
+        "rest_walk_psnr": float(np.mean(rest)), "nudged_walk_psnr": float(np.mean(nudged)),
+        "rest_frames": args.rest_frames,
         "sheet_every": args.sheet_every, "turn_sheet_every": max(1, args.sheet_every // 2),
     }
     report["turn_following"] = report["turn_shift_model"] / report["turn_shift_sim"]
@@ -135,13 +158,18 @@ def main(argv=None):
     if sheet:
         plt.imsave(out / "rollouts.png", rollout_sheet(sheet, args.sheet_every))
         plt.imsave(out / "turns.png", rollout_sheet(turn_sheet, report["turn_sheet_every"]))
-    print(f"teacher-forced PSNR {report['teacher_forced_psnr']:.2f} dB, SSIM {report['teacher_forced_ssim']:.3f}; "
-          f"AR PSNR@16 {report['ar_psnr_at_16'] or float('nan'):.2f}; action gap {report['action_gap_db']:.2f} dB; "
+    se = report["standard_error"]
+    print(f"teacher-forced PSNR {report['teacher_forced_psnr']:.2f} ± {se['teacher_forced_psnr']:.2f} dB, "
+          f"SSIM {report['teacher_forced_ssim']:.3f}; AR PSNR@16 {report['ar_psnr_at_16'] or float('nan'):.2f} ± "
+          f"{se.get('ar_psnr_at_16', float('nan')):.2f}; action gap {report['action_gap_db']:.2f} ± "
+          f"{se['action_gap_db']:.2f} dB (± one standard error over the {len(seeds)} levels); "
           f"copy-previous {report['copy_previous_psnr']:.2f} dB; action response {report['action_response_psnr']:.2f} dB; "
           f"simulator: previous action {report['sim_previous_action_psnr']:.2f} dB, foreign action "
           f"{report['sim_foreign_action_psnr']:.2f} dB, foreign rollout {report['sim_foreign_rollout_psnr_gap_range']:.2f} dB "
           f"(model, true actions: {true_gap:.2f} dB); turn following {report['turn_following']:.2f} "
-          f"({report['turn_shift_model']:.2f} of the simulator's {report['turn_shift_sim']:.2f} columns/frame) -> {out}")
+          f"({report['turn_shift_model']:.2f} of the simulator's {report['turn_shift_sim']:.2f} columns/frame); "
+          f"walking with the mouse at rest {report['rest_walk_psnr']:.2f} dB, barely moving "
+          f"{report['nudged_walk_psnr']:.2f} dB -> {out}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -139,9 +140,13 @@ def world_row(train: dict) -> str:
     return text
 
 
-def db(value: float | None) -> str:
-    """An evaluation figure in dB; a shorter evaluation (fewer frames) leaves some unmeasured."""
-    return "not measured" if value is None else f"{value:.2f} dB"
+def db(ev: dict, key: str) -> str:
+    """An evaluation figure in dB with its standard error over levels where the report has one; a
+    shorter evaluation (fewer frames) leaves some unmeasured."""
+    value, error = ev[key], ev.get("standard_error", {}).get(key)
+    if value is None:
+        return "not measured"
+    return f"{value:.2f} dB" + (f" ± {error:.2f}" if error is not None and math.isfinite(error) else "")
 
 
 def main(argv=None):
@@ -242,14 +247,14 @@ def main(argv=None):
     ]
     if ev:
         euler = next((k for k in ev if k.startswith("teacher_forced_psnr_euler")), None)
-        lines += [f"| teacher-forced next-frame PSNR / SSIM (two-step sampler) | {ev['teacher_forced_psnr']:.2f} dB / "
+        lines += [f"| teacher-forced next-frame PSNR / SSIM (two-step sampler) | {db(ev, 'teacher_forced_psnr')} / "
                   f"{ev['teacher_forced_ssim']:.3f} (target >= 24 dB) |"]
         if euler:
             lines += [f"| teacher-forced PSNR, {euler.removeprefix('teacher_forced_psnr_euler')}-step Euler | "
                       f"{ev[euler]:.2f} dB (two-step minus Euler: {ev['teacher_forced_psnr'] - ev[euler]:+.2f} dB) |"]
-        lines += [f"| autoregressive PSNR at frame 16 | {db(ev['ar_psnr_at_16'])} (target >= 18 dB) |",
+        lines += [f"| autoregressive PSNR at frame 16 | {db(ev, 'ar_psnr_at_16')} (target >= 18 dB) |",
                   f"| action sensitivity gap, frames {ev['gap_range'][0]}-{ev['gap_range'][1]} | "
-                  f"{db(ev['action_gap_db'])} (target >= 1.5 dB) |",
+                  f"{db(ev, 'action_gap_db')} (target >= 1.5 dB) |",
                   *([f"| diagnostic: repeat the last real frame (no model), teacher-forced | "
                      f"{ev['copy_previous_psnr']:.2f} dB |",
                      f"| diagnostic: action response, PSNR between predictions under true and foreign actions "
@@ -259,7 +264,12 @@ def main(argv=None):
                      f"{ev['turn_dx']:+g}, then {-ev['turn_dx']:+g}) as a share of the simulator's | "
                      f"{ev['turn_following']:.2f} ({ev['turn_shift_model']:.2f} vs {ev['turn_shift_sim']:.2f} "
                      "columns/frame) |"] if "turn_following" in ev else []),
-                  f"| held-out level seeds | {ev['seeds'][0]}..{ev['seeds'][-1]} (training used 0..{manifest.get('episodes', 256) - 1}) |",
+                  *([f"| diagnostic: walking forward from the real history with the mouse at rest, exactly (0, 0), "
+                     f"against barely moving, (0.3, 0.1), PSNR vs simulator over {ev['rest_frames']} frames | "
+                     f"{ev['rest_walk_psnr']:.2f} dB against {ev['nudged_walk_psnr']:.2f} dB |"]
+                    if "rest_walk_psnr" in ev else []),
+                  f"| held-out level seeds | {ev['seeds'][0]}..{ev['seeds'][-1]} (training used 0..{manifest.get('episodes', 256) - 1})"
+                  f"{'; ± is one standard error of the mean over these levels' if 'standard_error' in ev else ''} |",
                   "", f"Evaluation command: `{ev['command']}`; per-frame curve: `eval_curve.png`."]
         curve, sheet, turns = (Path(args.eval).with_name(n) for n in ("psnr_curve.png", "rollouts.png", "turns.png"))
         if curve.is_file():

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from owl_wms.evaluation import frame_metrics
+from owl_wms.evaluation import frame_metrics, standard_error
 
 
 def test_frame_metrics_known_values():
@@ -15,6 +15,12 @@ def test_frame_metrics_known_values():
     b = np.clip(a.astype(int) + 8, 0, 255).astype(np.uint8)
     mse = ((a.astype(float) - b) ** 2).mean()
     assert abs(frame_metrics(a, b)[0] - 10 * np.log10(255**2 / mse)) < 1e-3
+
+
+def test_standard_error_of_per_level_figures():
+    assert abs(standard_error([1.0, 2.0, 3.0, 4.0]) - np.std([1, 2, 3, 4], ddof=1) / 2) < 1e-12
+    assert standard_error([5.0, 5.0]) == 0.0
+    assert np.isnan(standard_error([1.0]))  # one level says nothing about another
 
 
 def test_eval_command_on_two_short_episodes(tmp_path):
@@ -28,10 +34,18 @@ def test_eval_command_on_two_short_episodes(tmp_path):
                                                   "teacher_forced_psnr_euler3", "copy_previous_psnr",
                                                   "action_response_psnr", "sim_previous_action_psnr",
                                                   "sim_foreign_action_psnr", "sim_foreign_rollout_psnr_gap_range",
-                                                  "turn_following", "turn_shift_model"))
+                                                  "turn_following", "turn_shift_model", "rest_walk_psnr",
+                                                  "nudged_walk_psnr"))
+    assert report["rest_walk_psnr"] != report["nudged_walk_psnr"]  # the two mice are two inputs
     assert report["turn_shift_sim"] > 0.5  # the simulator's view slides under a held turn
     assert abs(report["ar_psnr_gap_range"] - report["ar_psnr_foreign_actions_gap_range"]
                - report["action_gap_db"]) < 1e-9
+    # the target figures level by level: their means are the report's figures
+    per_level, error = report["per_level"], report["standard_error"]
+    assert set(per_level) == set(error) == {"teacher_forced_psnr", "action_gap_db"}  # 5 frames: no frame 16
+    for key, values in per_level.items():
+        assert len(values) == 2 and abs(np.mean(values) - report[key]) < 1e-9
+        assert abs(error[key] - abs(values[0] - values[1]) / 2) < 1e-9  # two levels: half their difference
     assert (tmp_path / "psnr_curve.png").stat().st_size > 1000
     import matplotlib.image
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from inference.actions import load_actions, write_action_file
+from inference.actions import apply_event, load_actions, write_action_file
 from inference.causvid_pipeline import CausvidPipeline
 from inference.video import count_frames, read_frames
 
@@ -176,3 +176,92 @@ def test_world_seed_starts_from_a_fresh_simulator_level(tmp_path):
     r = run("--headless", "--world-seed", "3", "--frames", "4", "--out", str(tmp_path / "w.mp4"))
     assert r.returncode == 0, r.stderr
     assert count_frames(tmp_path / "w.mp4") == 4
+
+
+def wide_tiny_checkpoint(tmp_path):
+    """The untrained tiny checkpoint in a world of 2-unit corridors (its clips record no level)."""
+    import shutil
+
+    ckpt = tmp_path / "wide"
+    shutil.copytree(REPO / "checkpoints" / "untrained-tiny", ckpt)
+    with open(ckpt / "config.yaml", "a") as f:
+        f.write("simulator:\n  corridor: 2\n")
+    return ckpt
+
+
+def test_the_simulator_plays_on_beside_the_model_from_the_same_level(tmp_path):
+    """--beside-simulator: the left view is the simulator's frame under the controls the model's
+    frame used (the level's recorded ones in ground-truth mode), exactly the episode's next frames;
+    a restart and a snapshot/restore move it with the pipeline."""
+    from owl_wms.data import rollout_episode
+
+    from inference.game_cv import SimulatorBeside
+
+    pipe = CausvidPipeline.from_checkpoint(wide_tiny_checkpoint(tmp_path), ground_truth=True, verbose=False)
+    pipe.load_world(3, future=6)
+    real, _, _ = rollout_episode(3, pipe.window + 6, config=pipe.sim_config)  # the level's recorded episode
+    beside = SimulatorBeside(pipe)
+    h, w = pipe.frame_shape
+
+    def step():
+        controls = pipe.next_controls(None, None)
+        model = pipe(None, None)[0].numpy()
+        out = beside.frame(controls, model)
+        assert out.shape == (h, 2 * w + SimulatorBeside.GAP, 3) and np.array_equal(out[:, -w:], model)
+        assert not out[:, w:w + SimulatorBeside.GAP].any()
+        return out[:, :w]
+
+    assert all(np.array_equal(step(), real[pipe.window + k]) for k in range(2))
+    for name in ("snapshot", "restart"):
+        apply_event(pipe, {"event": name})
+        beside.handle({"event": name})
+    assert np.array_equal(step(), real[pipe.window])  # back to the end of the history
+    for name in ("restore",):
+        apply_event(pipe, {"event": name})
+        beside.handle({"event": name})
+    assert np.array_equal(step(), real[pipe.window + 2])  # on from the snapshot (after two frames)
+
+
+def test_clips_record_their_level_and_the_cli_puts_the_simulator_beside(tmp_path):
+    from owl_wms.clips import Clip, load_clip
+
+    from inference.game_cv import SimulatorBeside
+
+    ckpt = wide_tiny_checkpoint(tmp_path)
+    pipe = CausvidPipeline.from_checkpoint(ckpt, verbose=False)
+    clip = pipe.load_world(5, future=3)
+    assert clip.level == {"seed": 5, "simulator": {**clip.level["simulator"], "corridor": 2}}
+    clip.save(tmp_path / "level.safetensors")
+    assert load_clip(tmp_path / "level.safetensors", pipe.cfg.channels, pipe.cfg.sample_size).level == clip.level
+    Clip(clip.latents, clip.mouse, clip.buttons, clip.history_frames).save(tmp_path / "bare.safetensors")
+    pipe.load_clip(load_clip(tmp_path / "bare.safetensors", pipe.cfg.channels, pipe.cfg.sample_size))
+    with pytest.raises(ValueError, match="does not record the simulator level"):
+        SimulatorBeside(pipe)
+
+    out = tmp_path / "beside.mp4"
+    r = run("--checkpoint", str(ckpt), "--headless", "--beside-simulator", "--clip", str(tmp_path / "level.safetensors"),
+            "--frames", "3", "--scale", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert read_frames(out).shape == (3, 64, 2 * 64 + SimulatorBeside.GAP, 3)
+    r = run("--checkpoint", str(ckpt), "--headless", "--beside-simulator", "--clip", str(tmp_path / "bare.safetensors"),
+            "--frames", "3", "--out", str(tmp_path / "bare.mp4"))
+    assert r.returncode == 2 and "does not record the simulator level" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.glob("*bare*.mp4"))
+    r = run("--beside-simulator")
+    assert r.returncode == 2 and "add --headless" in r.stderr
+
+
+def test_shipped_clips_record_their_level_so_the_simulator_plays_beside():
+    from owl_wms.data import rollout_episode
+
+    from inference.game_cv import SimulatorBeside
+    from scripts.export_checkpoint import CLIP_SEED
+
+    pipe = CausvidPipeline.from_checkpoint(ground_truth=True, verbose=False)  # clip 0 of the shipped world
+    assert pipe.clip.level["seed"] == CLIP_SEED and pipe.clip.level["simulator"]["corridor"] == pipe.sim_config.corridor
+    real, _, _ = rollout_episode(CLIP_SEED, pipe.window + 2, config=pipe.sim_config)
+    beside = SimulatorBeside(pipe)
+    for k in range(2):
+        controls = pipe.next_controls(None, None)
+        out = beside.frame(controls, pipe(None, None)[0].numpy())
+        assert np.array_equal(out[:, :real.shape[2]], real[pipe.window + k])

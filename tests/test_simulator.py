@@ -4,7 +4,7 @@ import copy
 import numpy as np
 import pytest
 
-from owl_wms.data import rollout_episode
+from owl_wms.data import ExplorerPolicy, rollout_episode
 from owl_wms.simulator import DOOR, EMPTY, SWITCH, MazeSim, SimConfig
 
 NONE = [0] * 11
@@ -172,6 +172,33 @@ def test_lively_policy_turns_faster_and_less_predictably():
     assert lag1(lively) < lag1(explore) - 0.1  # that the turn so far predicts less
     with pytest.raises(ValueError, match="unknown policy style 'calm'.*explore"):
         rollout_episode(9, 2, style="calm")
+
+
+def test_still_policy_lets_go_of_the_mouse_and_the_others_stay_as_they_were():
+    """explore never sends a mouse at rest, exactly (0, 0), which every built-in walk script and a
+    resting player send; "still" does in about a quarter of its frames, in stretches, and takes the
+    mouse back to turn away from a close wall. explore and lively draw the same episodes as before
+    the style existed (digests of HEAD's episodes then)."""
+    import hashlib
+
+    wide = SimConfig(corridor=2)
+    for style, digest in (("explore", "c8651a8a6254781a"), ("lively", "c483fde85ce13cef")):
+        f, m, b = rollout_episode(5, 120, style=style, config=wide)
+        assert hashlib.sha256(m.tobytes() + b.tobytes() + f.tobytes()).hexdigest()[:16] == digest
+    at_rest = {style: np.concatenate([(rollout_episode(s, 256, style=style, config=wide)[1] == 0).all(1)
+                                      for s in range(4)]) for style in ("explore", "still")}
+    assert not at_rest["explore"].any()
+    assert 0.15 < at_rest["still"].mean() < 0.35
+    starts = np.flatnonzero(np.diff(at_rest["still"].astype(int)) == 1)
+    assert at_rest["still"].sum() / len(starts) > 4  # stretches, not single frames
+    sim, frames = MazeSim(3, wide), []
+    policy = ExplorerPolicy(1, "still")
+    for _ in range(400):
+        mouse, buttons = policy.act(sim)
+        if mouse == [0.0, 0.0]:  # at rest only while no wall is close ahead
+            frames.append(policy.turn == 0.0)
+        sim.step(mouse, buttons)
+    assert frames and all(frames)
 
 
 def test_turn_wall_statistics_see_explores_turns_at_walls(capsys):

@@ -249,12 +249,15 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     # MODEL.md quotes the evaluation, turn following included
     export_checkpoint.main(export + ["--eval", str(tmp_path / "eval" / "eval.json")])
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
-    assert f"{report['teacher_forced_psnr']:.2f} dB" in card
+    gap, gap_se = report["action_gap_db"], report["standard_error"]["action_gap_db"]
+    assert f"{report['teacher_forced_psnr']:.2f} dB ± {report['standard_error']['teacher_forced_psnr']:.2f} / " in card
+    assert f"| {gap:.2f} dB ± {gap_se:.2f} (target" in card and "one standard error of the mean" in card
     assert "frame 16 | not measured" in card  # a 3-frame evaluation has no frame 16
     assert "`eval_rollouts.png`" in card and (tmp_path / "ckpt" / "eval_rollouts.png").is_file()
     assert "`eval_turns.png`" in card and (tmp_path / "ckpt" / "eval_turns.png").is_file()
     assert f"one in {report['turn_sheet_every']}; simulator above" in card
     assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
+    assert f"| {report['rest_walk_psnr']:.2f} dB against {report['nudged_walk_psnr']:.2f} dB |" in card
     with pytest.raises(SystemExit, match="holds a model unlike"):
         train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
                           "--init", str(tmp_path / "ckpt")])  # the default config is the full-size world
