@@ -86,7 +86,7 @@ class ExplorerPolicy:
         elif centre > 1.6:
             self.turn = 0.0
         if self.still and self.turn == 0.0:
-            self.mouse = np.zeros(2)  # the hand comes back to a mouse at rest
+            self.mouse = np.zeros(2)  # at rest: when the hand comes back, the motion starts from zero
             return [0.0, 0.0], self.held.astype(int).tolist()
         self.still = False  # a close wall brings the hand back to turn
         mouse = self.mouse + np.array([self.turn, 0.0])
@@ -134,11 +134,12 @@ def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: f
     in size, and for those and for the rest (|mouse x| < 2) the median distance to the nearest
     wall in the middle third of the view and the share with one nearer than ``near``: what a
     world model trained on the policy's episodes (in a maze of ``corridor``-wide passages) is
-    asked to show under a turn."""
-    turning, steady = [], []
+    asked to show under a turn. Also the share of frames with the mouse exactly at rest, (0, 0)."""
+    turning, steady, at_rest = [], [], []
 
     def watch(sim: MazeSim, mouse):
         depth = sim.depth[len(sim.depth) // 3: 2 * len(sim.depth) // 3].min()
+        at_rest.append(mouse[0] == 0 and mouse[1] == 0)
         if abs(mouse[0]) > big:
             turning.append(depth)
         elif abs(mouse[0]) < 2:
@@ -149,4 +150,5 @@ def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: f
     turning, steady = np.array(turning), np.array(steady)
     return {"style": style, "corridor": corridor, "turning_share": len(turning) / (levels * frames),
             "turning_median_wall": float(np.median(turning)), "steady_median_wall": float(np.median(steady)),
-            "turning_near_share": float((turning < near).mean()), "steady_near_share": float((steady < near).mean())}
+            "turning_near_share": float((turning < near).mean()), "steady_near_share": float((steady < near).mean()),
+            "at_rest_share": float(np.mean(at_rest))}

@@ -4,7 +4,8 @@
 
 For each policy: the share of frames with a hard turn (|mouse x| > 5), and for those and for
 steady frames (|mouse x| < 2) the median distance to the nearest wall in the middle third of
-the view and the share with a wall nearer than 1.6. Levels are the training seeds 0, 1, ...
+the view and the share with a wall nearer than 1.6; and the share of frames with the mouse
+exactly at rest, (0, 0). Levels are the training seeds 0, 1, ...
 """
 from __future__ import annotations
 

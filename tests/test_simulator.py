@@ -189,6 +189,9 @@ def test_still_policy_lets_go_of_the_mouse_and_the_others_stay_as_they_were():
                                       for s in range(4)]) for style in ("explore", "still")}
     assert not at_rest["explore"].any()
     assert 0.15 < at_rest["still"].mean() < 0.35
+    from owl_wms.data import turn_wall_statistics
+
+    assert turn_wall_statistics("still", levels=1, frames=256, corridor=2)["at_rest_share"] == at_rest["still"][:256].mean()
     starts = np.flatnonzero(np.diff(at_rest["still"].astype(int)) == 1)
     assert at_rest["still"].sum() / len(starts) > 4  # stretches, not single frames
     sim, frames = MazeSim(3, wide), []
@@ -211,6 +214,7 @@ def test_turn_wall_statistics_see_explores_turns_at_walls(capsys):
     assert 0 < st["turning_share"] < 1
     assert st["turning_near_share"] > st["steady_near_share"] + 0.25
     assert st["turning_median_wall"] < 0.6 * st["steady_median_wall"]
+    assert st["at_rest_share"] == 0.0  # explore never leaves the mouse at rest (the "still" style does)
     policy_stats.main(["--policy", "explore", "--levels", "1", "--frames", "32"])
     assert '"style": "explore"' in capsys.readouterr().out
 
