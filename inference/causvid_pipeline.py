@@ -117,6 +117,7 @@ class CausvidPipeline:
         self._nocache_frames = self.cfg.n_layers * (self.window - 1) + 1
         self.verbose = verbose and (tp is None or tp.is_leader)
         self.last_velocity = None
+        self.last_controls = None  # (mouse, buttons) the last frame used: the player's or the clip's (GT)
         self._guard_reported = False
         if self.verbose:
             print(self.describe(), flush=True)
@@ -469,7 +470,7 @@ class CausvidPipeline:
         from the anchor, with positions from zero."""
         if self.lifecycle.phase is Phase.EMPTY:
             raise RuntimeError("pipeline has no history; call load_clip(), hard_cut() or prefill() first")
-        mouse, buttons = self.next_controls(mouse, buttons)
+        mouse, buttons = self.last_controls = self.next_controls(mouse, buttons)
         anchor = None
         if commit and self.lifecycle.recompute_due and self._anchor:
             lat, am, ab = self.anchor()

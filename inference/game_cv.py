@@ -115,7 +115,7 @@ def save_frames(path: Path, frames: list):
 
 class SimulatorBeside:
     """The simulator's view of the level the model's history came from, stepped with the controls
-    each generated frame used (the clip's recorded ones in ground-truth mode), so the video shows
+    each generated frame used (``pipe.last_controls``: the clip's recorded ones in ground-truth mode), so the video shows
     the truth beside the dream: ``frame(controls, model_frame)`` -> [simulator | gap | model]."""
 
     GAP = 2  # black columns between the two views
@@ -181,10 +181,9 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
                     if beside is not None:
                         beside.handle(item)
                     continue
-                controls = pipe.next_controls(*item) if beside is not None else None  # before the frame uses them
                 frame, secs = pipe(*item)
                 pipe_seconds += secs
-                writer.write(frame.numpy() if beside is None else beside.frame(controls, frame.numpy()))
+                writer.write(frame.numpy() if beside is None else beside.frame(pipe.last_controls, frame.numpy()))
                 if frames_path is not None:
                     raw.append(frame.numpy())
                 bar.update(1)

@@ -204,9 +204,8 @@ def test_the_simulator_plays_on_beside_the_model_from_the_same_level(tmp_path):
     h, w = pipe.frame_shape
 
     def step():
-        controls = pipe.next_controls(None, None)
         model = pipe(None, None)[0].numpy()
-        out = beside.frame(controls, model)
+        out = beside.frame(pipe.last_controls, model)
         assert out.shape == (h, 2 * w + SimulatorBeside.GAP, 3) and np.array_equal(out[:, -w:], model)
         assert not out[:, w:w + SimulatorBeside.GAP].any()
         return out[:, :w]
@@ -262,6 +261,6 @@ def test_shipped_clips_record_their_level_so_the_simulator_plays_beside():
     real, _, _ = rollout_episode(CLIP_SEED, pipe.window + 2, config=pipe.sim_config)
     beside = SimulatorBeside(pipe)
     for k in range(2):
-        controls = pipe.next_controls(None, None)
-        out = beside.frame(controls, pipe(None, None)[0].numpy())
+        model = pipe(None, None)[0].numpy()
+        out = beside.frame(pipe.last_controls, model)
         assert np.array_equal(out[:, :real.shape[2]], real[pipe.window + k])
