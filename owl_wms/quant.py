@@ -290,6 +290,21 @@ def _ring_step_int4(k_args: tuple, v_args: tuple):
     return _ring_tensor(*k_args), _ring_tensor(*v_args)
 
 
+def eager_division() -> dict:
+    """Inductor options that make compiled fp32 division round like eager's. Triton's ``/`` is an
+    approximate division (up to 2 ulp), so on CUDA a compiled ``x / scale`` picked other codes
+    than eager at exact rounding ties (seen on an H200: fp8_e5m2 and int4 rings differed).
+    The option's name moved between torch releases (the older one is spelled so in torch)."""
+    from torch._inductor import config
+
+    if hasattr(getattr(config, "eager_numerics", None), "division_rounding"):
+        return {"eager_numerics.division_rounding": True}
+    for key in ("emulate_division_rounding", "emulate_divison_rounding"):
+        if hasattr(config, key):
+            return {key: True}
+    return {}
+
+
 class Fused:
     """A kernel compiled on first use; if the backend cannot compile here, every fused kernel
     falls back to the eager code (always correct) once, with the reason."""
@@ -305,7 +320,7 @@ class Fused:
         try:
             if self.kernel is None:
                 # dynamic sizes: one graph serves every layer group, window and frame count
-                self.kernel = torch.compile(self.body, dynamic=True)
+                self.kernel = torch.compile(self.body, dynamic=True, options=eager_division())
             return True, self.kernel(*args)
         except Exception as e:  # noqa: BLE001 - any backend failure: the eager path is always correct
             first = str(e).splitlines()[0] if str(e) else ""

@@ -31,18 +31,20 @@ class MotionRoPE(torch.nn.Module):
         self.delta = float(cfg.rope_ats_delta)
         t, x, y = rope_dims(cfg)
         s = t + x + y
-        j = torch.arange(s // 2, dtype=torch.float64)
+        # Host tensors whatever the default device (a model built under ``with torch.device("cuda")``):
+        # angles are made on the host in float64 and moved once, in cos_sin.
+        j = torch.arange(s // 2, dtype=torch.float64, device="cpu")
         freqs = 1.0 / (float(cfg.rope_base) ** (2.0 * j / s))
         n_spatial = (x + y) // 2
         # Which coordinate drives angle j: 0 = x (even spatial), 1 = y (odd spatial), 2 = t.
-        axis = torch.full((s // 2,), 2, dtype=torch.long)
-        axis[:n_spatial] = torch.arange(n_spatial) % 2
+        axis = torch.full((s // 2,), 2, dtype=torch.long, device="cpu")
+        axis[:n_spatial] = torch.arange(n_spatial, device="cpu") % 2
         self._freqs = freqs
         self._axis = axis
 
     def angles(self, token_offset: int, n_tokens: int) -> torch.Tensor:
         """float64 angles [n_tokens, dh/2] for absolute token positions offset..offset+n-1."""
-        p = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64)
+        p = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device="cpu")
         frame, within = p // self.tpf, p % self.tpf
         row, col = within // self.side, within % self.side
         t = frame.double() * self.delta

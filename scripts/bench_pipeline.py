@@ -58,8 +58,10 @@ def timed(fn, frames: int, warmup: int, sync) -> list[float]:
 
 def row(name: str, times: list[float], **extra) -> dict:
     med = statistics.median(times)
-    return {"config": name, "fps": len(times) / sum(times), "median_ms": med * 1000,
-            "p95_ms": sorted(times)[int(0.95 * (len(times) - 1))] * 1000, **extra}
+    r = {"config": name, "fps": len(times) / sum(times), "median_ms": med * 1000,
+         "p95_ms": sorted(times)[int(0.95 * (len(times) - 1))] * 1000, **extra}
+    print(f"  measured {name}: {r['fps']:.2f} FPS, median {r['median_ms']:.1f} ms", flush=True)  # a cut-short run keeps it
+    return r
 
 
 def prefill_rows(name: str, prefill, rounds: int, sync) -> list[dict]:

@@ -105,6 +105,17 @@ def test_rope_far_beyond_the_original_table_matches_float64_formula():
     assert (out - ref).abs().max() < 1e-5
 
 
+def test_rope_built_under_another_default_device_keeps_its_angles_on_the_host():
+    """A model built under ``with torch.device(...)`` (bench_pipeline does so on CUDA) failed at
+    its first call: the angle tables took the default device, the positions did not."""
+    cfg = tiny_config(sample_size=8, tokens_per_frame=64)
+    ref = MotionRoPE(cfg).cos_sin(64, 70, "cpu")
+    with torch.device("meta"):
+        rope = MotionRoPE(cfg)
+    got = rope.cos_sin(64, 70, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 def test_model_output_is_invariant_to_absolute_position():
     """RoPE is relative: a window 100,000 frames into a session gives the same velocity."""
     cfg = tiny_config()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The checks that need an NVIDIA GPU, in one run (CI has no GPU; run this on a CUDA machine):
+#
+#     OUT=gpu_results bash scripts/device_check.sh
+#
+# 1. the CUDA half of the KV tests (fused inplace step vs the eager ring, bit for bit);
+# 2. bench_kv --device cuda: per-frame cache cost of every layout x codec as ratios to bf16
+#    roll, memory, the v0-v4 matrix on the shipped world;
+# 3. the training chain's --device cuda path on a tiny data set (generate, train_vae, encode,
+#    train_world), so the stages that take --device are known to run there;
+# 4. bench_compile --device cuda: eager vs OWL_COMPILE=1 per cache mode, and recompiles
+#    after warm-up (0 = none in steady state);
+# 5. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model.
+#
+# STEPS="tests chain" runs only those steps. Each step has its own time limit (seconds, env STEP_LIMIT_SCALE scales them all), so one
+# hang cannot eat the others; each step's log is $OUT/<step>.log; the summary says which failed.
+set -u
+OUT=${OUT:-gpu_results}
+SCALE=${STEP_LIMIT_SCALE:-1}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+failed=()
+
+STEPS=" ${STEPS:-tests bench_kv chain bench_compile bench_pipeline} "  # a subset: STEPS="tests bench_pipeline"
+
+step() {  # step NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    [[ $STEPS == *" $name "* ]] || return 0
+    limit=$(awk -v a="$limit" -v s="$SCALE" 'BEGIN { printf "%d", a * s }')
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 40 "$OUT/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+    [ $rc -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
+nvidia-smi -L
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
+
+step tests 90 $PY -m pytest -q -p no:cacheprovider tests/test_kv_quant.py -k cuda
+step bench_kv 150 $PY -m scripts.bench_kv --device cuda --frames 10 --matrix-frames 32 --json "$OUT/bench_kv.json"
+tmp=$(mktemp -d)
+step chain 70 bash -c "set -e
+    $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
+    $PY -m scripts.train_vae --data $tmp/data --out $tmp/vae --steps 20 --batch 8 --held-out 1 --save-every 20 --device cuda
+    $PY -m scripts.encode_latents --data $tmp/data --vae checkpoints/maze-world/vae --out $tmp/latents --device cuda
+    $PY -m scripts.train_world --latents $tmp/latents --out $tmp/world --steps 20 --batch 2 --save-every 20 --device cuda"
+step bench_compile 190 $PY -m scripts.bench_compile --device cuda --frames 16 --json "$OUT/bench_compile.json"
+step bench_pipeline 60 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
+    --json "$OUT/bench_pipeline.json"
+
+if [ ${#failed[@]} -eq 0 ]; then echo "device_check: all steps passed"; else echo "device_check: FAILED: ${failed[*]}"; exit 1; fi
