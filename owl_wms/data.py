@@ -4,6 +4,7 @@ The policy holds keys with persistence (mostly walking forward), moves the mouse
 (an Ornstein-Uhlenbeck process), turns away from walls it is about to hit, and now and then
 uses every other button (sprint, jump, reload, flashlight, interact, fire, zoom).
 
+A data policy is one style or a mixture (``still+explore``: episodes take the styles in turn).
 Styles differ only in the mouse process. ``explore`` (the shipped world's data) moves it slowly
 and smoothly, so the past frames already predict most of the next turn and a model can do well
 without reading the controls; it turns hard only when a wall is close ahead, so in its episodes
@@ -48,6 +49,23 @@ class PolicyStyle:
 # never sends it, and a world trained on explore alone answers it worse than any small motion
 POLICY_STYLES = {"explore": PolicyStyle(0.85, 0.15, (7.0, 2.0)), "lively": PolicyStyle(0.5, 0.5, (12.0, 4.0)),
                  "still": PolicyStyle(0.85, 0.15, (7.0, 2.0), still_start=0.05, still_hold=0.9)}
+
+
+def policy_mixture(spec: str) -> tuple[str, ...]:
+    """Styles of a data policy spec: one style ("still"), or several joined by "+"
+    ("still+explore"), which episodes take in turn (``episode_style``)."""
+    parts = tuple(spec.split("+"))
+    bad = [p for p in parts if p not in POLICY_STYLES]
+    if bad:
+        raise ValueError(f"policy {spec!r}: unknown style {bad[0]!r}; use one of {sorted(POLICY_STYLES)} "
+                         "or several joined by '+', e.g. still+explore")
+    return parts
+
+
+def episode_style(spec: str, index: int) -> str:
+    """The style of the ``index``-th episode (0-based, from the run's first level seed) of ``spec``."""
+    parts = policy_mixture(spec)
+    return parts[index % len(parts)]
 
 
 class ExplorerPolicy:

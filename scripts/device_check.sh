@@ -12,8 +12,9 @@
 #    after warm-up (0 = none in steady state);
 # 5. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model.
 #
-# STEPS="tests chain" runs only those steps. Each step has its own time limit (seconds, env STEP_LIMIT_SCALE scales them all), so one
-# hang cannot eat the others; each step's log is $OUT/<step>.log; the summary says which failed.
+# STEPS="tests chain" runs only those steps. Each step has its own time limit in seconds
+# (STEP_LIMIT_SCALE=2 doubles them all), so one hang cannot eat the others; each step's log is
+# $OUT/<step>.log, and the last line says which steps failed.
 set -u
 OUT=${OUT:-gpu_results}
 SCALE=${STEP_LIMIT_SCALE:-1}

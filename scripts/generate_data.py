@@ -2,6 +2,8 @@
 
     python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0] [--policy explore] [--corridor 1]
 
+``--policy still+explore`` mixes styles: episodes take them in turn (level seed - seed, mod 2).
+
 One safetensors file per episode (``frames`` uint8 [n,H,W,3], ``mouse`` [n,2], ``buttons``
 [n,11]; metadata: level seed). Level seeds are ``seed + i``; held-out evaluation uses
 seeds from ``owl_wms.data.HELD_OUT_SEED`` up. Resumable: finished episodes are skipped;
@@ -18,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from owl_wms.data import EPISODE_OPTIONS, POLICY_STYLES, episode_options, rollout_episode
+from owl_wms.data import EPISODE_OPTIONS, POLICY_STYLES, episode_options, episode_style, policy_mixture, rollout_episode
 from owl_wms.simulator import SimConfig
 from owl_wms.training import file_stage_clock
 
@@ -32,9 +34,15 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=64, help="frame width = height")
     p.add_argument("--corridor", type=int, default=EPISODE_OPTIONS["corridor"],
                    help="floor width of the maze's corridors in grid units (owl_wms.simulator.SimConfig.corridor)")
-    p.add_argument("--policy", default=EPISODE_OPTIONS["policy"], choices=sorted(POLICY_STYLES),
-                   help="mouse style of the exploring policy (owl_wms.data)")
+    p.add_argument("--policy", default=EPISODE_OPTIONS["policy"],
+                   help=f"mouse style of the exploring policy (owl_wms.data): one of {sorted(POLICY_STYLES)}, or "
+                        "several joined by '+' that episodes take in turn (still+explore: even episodes still, odd "
+                        "explore, counted from --seed)")
     args = p.parse_args(argv)
+    try:
+        policy_mixture(args.policy)
+    except ValueError as exc:
+        p.error(f"--policy: {exc}")
     try:
         cfg = SimConfig(width=args.size, height=args.size, corridor=args.corridor)
     except ValueError as exc:
@@ -53,7 +61,8 @@ def main(argv=None):
     todo = [s for s in range(args.seed, args.seed + args.episodes) if not (out / f"ep_{s:06d}.safetensors").exists()]
     stage_time = file_stage_clock(before, args.episodes, len(todo))
     for level in tqdm(todo, desc="episodes", unit="ep", initial=args.episodes - len(todo), total=args.episodes):
-        frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg, style=args.policy)
+        frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg,
+                                                 style=episode_style(args.policy, level - args.seed))
         final = out / f"ep_{level:06d}.safetensors"
         tmp = final.with_suffix(".tmp")
         save_file({"frames": torch.from_numpy(frames), "mouse": torch.from_numpy(mouse),

@@ -116,6 +116,19 @@ def test_fused_ring_step_matches_the_eager_ring(env, device, monkeypatch):
     assert eager.quant_stats() == fused.quant_stats() and fused.quant_stats()["nonfinite"] == cfg.n_layers
 
 
+def test_fused_kernels_ask_inductor_for_eager_rounding_division():
+    """Triton's fp32 division is approximate; without this option a compiled quantizer on CUDA
+    picked other codes than eager at exact ties (H200). A torch that renames it would silently
+    drop it: the option must exist and compile here."""
+    from owl_wms.quant import eager_division
+
+    options = eager_division()
+    assert len(options) == 1 and list(options.values()) == [True]
+    divide = torch.compile(lambda x, y: x / y, dynamic=True, options=options)
+    x, y = torch.tensor([4.6875, 1.0, -3.0]), torch.tensor([0.9375, 3.0, 7.0])
+    assert torch.equal(divide(x, y), x / y)
+
+
 def test_stored_scale_rounds_like_the_bf16_cast():
     """The bit-level rounding that compiled code cannot fold away equals torch's own cast."""
     g = torch.Generator().manual_seed(0)

@@ -263,6 +263,30 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
                           "--init", str(tmp_path / "ckpt")])  # the default config is the full-size world
 
 
+def test_a_policy_mixture_takes_its_styles_in_turn(tmp_path, capsys):
+    """--policy still+explore: episode k (from --seed) is the one --policy still or --policy
+    explore makes for that level, alternating; the manifest records the mixture; an unknown
+    style is refused by name before anything is written."""
+    from safetensors.torch import load_file
+
+    from scripts import generate_data
+
+    for policy in ("still+explore", "still", "explore"):
+        generate_data.main(["--out", str(tmp_path / policy), "--episodes", "3", "--frames", "12", "--seed", "7",
+                            "--policy", policy])
+    for k, level in enumerate(range(7, 10)):
+        name = f"ep_{level:06d}.safetensors"
+        mixed = load_file(str(tmp_path / "still+explore" / name))
+        alone = load_file(str(tmp_path / ("still" if k % 2 == 0 else "explore") / name))
+        other = load_file(str(tmp_path / ("explore" if k % 2 == 0 else "still") / name))
+        assert all(torch.equal(mixed[key], alone[key]) for key in mixed)
+        assert not torch.equal(mixed["mouse"], other["mouse"])  # the styles differ on these levels
+    assert json.loads((tmp_path / "still+explore" / "manifest.json").read_text())["policy"] == "still+explore"
+    with pytest.raises(SystemExit):
+        generate_data.main(["--out", str(tmp_path / "bad"), "--episodes", "1", "--policy", "still+calm"])
+    assert "unknown style 'calm'" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
 def test_model_card_recipe_follows_the_data_policy():
     from scripts.export_checkpoint import chain_commands
 
@@ -289,6 +313,8 @@ def test_model_card_recipe_follows_the_data_policy():
     assert wide[:2] == explore[:2] and "generate_data --corridor 2 --out work/data_corridor2" in wide[2]
     assert "encode_latents --data work/data_corridor2 --out work/latents_corridor2" in wide[3]
     assert all("--latents work/latents_corridor2" in c for c in wide if "train_world" in c or "export" in c)
+    mixed = chain_commands({"policy": "still+explore", "corridor": 2}, runs, {"steps": 5000})
+    assert "generate_data --policy still+explore --corridor 2 --out work/data_still+explore_corridor2" in mixed[2]
     both = chain_commands({"policy": "lively", "corridor": 3}, runs, {"steps": 5000})
     assert "generate_data --policy lively --corridor 3 --out work/data_lively_corridor3" in both[2]
     # flags beyond --batch/--steps come back as typed; a change of them is a new command
