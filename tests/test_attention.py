@@ -88,6 +88,20 @@ def reference_angles(p: int, tpf: int, side: int, dh: int = 64, delta: float = 2
     return out + [t * v for v in ft]
 
 
+def test_only_the_cpu_attends_in_query_chunks_unless_a_benchmark_asks(monkeypatch):
+    """On a GPU one masked call beat chunks (H200), so only CPU tensors are chunked;
+    query_chunk_tokens (the benchmarks') chunks on every device."""
+    seen = []
+    monkeypatch.setattr(attention, "_attend_sdpa", lambda q, k, v, tpf, window, chunk, scale: seen.append(chunk))
+    tpf, frames = 4, 12
+    for device in ("cpu", "meta"):
+        q = torch.empty(1, 2, frames * tpf, 8, device=device)
+        attend(q, q, q, tpf, None, "sdpa")
+        with attention.query_chunk_tokens(2 * tpf):
+            attend(q, q, q, tpf, None, "sdpa")
+    assert seen == [attention.QUERY_CHUNK_TOKENS // tpf, 2, frames, 2]
+
+
 def test_rope_far_beyond_the_original_table_matches_float64_formula():
     cfg = tiny_config(sample_size=8, tokens_per_frame=64)
     rope = MotionRoPE(cfg)
