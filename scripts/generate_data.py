@@ -2,7 +2,7 @@
 
     python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0] [--policy explore] [--corridor 1]
 
-``--policy still+explore`` mixes styles: episodes take them in turn (level seed - seed, mod 2).
+``--policy still+explore`` mixes styles: episode k (level seed - seed) takes style k mod their number.
 
 One safetensors file per episode (``frames`` uint8 [n,H,W,3], ``mouse`` [n,2], ``buttons``
 [n,11]; metadata: level seed). Level seeds are ``seed + i``; held-out evaluation uses
