@@ -51,6 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--scale", type=int, default=4, help="integer upscaling of the video / window")
     p.add_argument("--save-frames", default=None,
                    help="--headless: also save the raw uint8 frames [n, H, W, 3] to this .npy (exact comparisons)")
+    p.add_argument("--sheet", default=None,
+                   help="--headless: also save a contact sheet PNG of every --sheet-every-th frame, 16 to a row "
+                        "(with --beside-simulator the simulator's row above the model's)")
+    p.add_argument("--sheet-every", type=int, default=2, help="frame step of --sheet")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel ranks (heads and MLP split across processes; launch with torchrun "
                         "--nproc-per-node N)")
@@ -72,6 +76,8 @@ def parse_args(argv=None):
         p.error(f"--scale {args.scale}: must be >= 1")
     if args.tp < 1:
         p.error(f"--tp {args.tp}: must be >= 1")
+    if args.sheet_every < 1:
+        p.error(f"--sheet-every {args.sheet_every}: must be >= 1")
     return args
 
 
@@ -113,6 +119,24 @@ def save_frames(path: Path, frames: list):
     tmp.replace(path)
 
 
+def save_sheet(path: Path, shown: list, every: int, per_row: int = 16):
+    """A contact sheet of the video's frames (each a tuple of views: (simulator, model) or
+    (model,)), ``per_row`` picked frames to a row, written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from owl_wms.evaluation import rollout_sheet
+
+    views = [np.stack(v) for v in zip(*shown)]
+    span = per_row * every
+    tmp = path.with_name(f".{path.name}.partial.png")
+    plt.imsave(tmp, rollout_sheet([tuple(v[i:i + span] for v in views) for i in range(0, len(shown), span)], every))
+    tmp.replace(path)
+
+
 class SimulatorBeside:
     """The simulator's view of the level the model's history came from, stepped with the controls
     each generated frame used (``pipe.last_controls``: the clip's recorded ones in ground-truth mode), so the video shows
@@ -142,11 +166,14 @@ class SimulatorBeside:
         elif name == "restore":
             self.sim = copy.deepcopy(self.bookmark)
 
-    def frame(self, controls, model_frame):
+    def step(self, controls):
+        """The simulator's next frame under the controls the model's frame used."""
+        mouse, buttons = controls
+        return self.sim.step(mouse.tolist(), buttons.tolist())
+
+    def frame(self, real, model_frame):
         import numpy as np
 
-        mouse, buttons = controls
-        real = self.sim.step(mouse.tolist(), buttons.tolist())
         gap = np.zeros((real.shape[0], self.GAP, 3), np.uint8)
         return np.concatenate([real, gap, model_frame], axis=1)
 
@@ -161,11 +188,12 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
         build_pipeline(args, tp).follow()
         return 0
     items = load_actions(args.actions, args.frames, seed=args.seed or 0)
-    frames_path = check_output_path(args.save_frames, suffix=".npy") if args.save_frames else None
+    frames_path = check_output_path(args.save_frames, suffix=".npy", flag="--save-frames") if args.save_frames else None
+    sheet_path = check_output_path(args.sheet, suffix=".png", flag="--sheet") if args.sheet else None
     writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
     interrupted, error = False, None
     pipe_seconds = 0.0
-    raw = []
+    raw, shown = [], []  # model frames (--save-frames); the views of each frame (--sheet)
     try:
         with StopOnSigint() as stop:
             pipe = build_pipeline(args, tp)
@@ -183,9 +211,12 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
                     continue
                 frame, secs = pipe(*item)
                 pipe_seconds += secs
-                writer.write(frame.numpy() if beside is None else beside.frame(pipe.last_controls, frame.numpy()))
+                views = (frame.numpy(),) if beside is None else (beside.step(pipe.last_controls), frame.numpy())
+                writer.write(views[0] if beside is None else beside.frame(*views))
                 if frames_path is not None:
-                    raw.append(frame.numpy())
+                    raw.append(views[-1])
+                if sheet_path is not None:
+                    shown.append(views)
                 bar.update(1)
             bar.close()
             pipe.close()  # TP: the other ranks stop after a last vote and lifecycle check
@@ -197,6 +228,8 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
         path = writer.close()
         if frames_path is not None and raw:
             save_frames(frames_path, raw)
+        if sheet_path is not None and shown:
+            save_sheet(sheet_path, shown, args.sheet_every)
     n = writer.frames
     if n:
         total = time.perf_counter() - start

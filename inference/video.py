@@ -14,15 +14,15 @@ class OutputPathError(ValueError):
     pass
 
 
-def check_output_path(path: str | Path, suffix: str = ".mp4") -> Path:
+def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out") -> Path:
     path = Path(path)
     if path.suffix.lower() != suffix:
-        raise OutputPathError(f"output {str(path)!r} must end in {suffix}")
+        raise OutputPathError(f"{flag} {str(path)!r} must end in {suffix}")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise OutputPathError(f"output folder {str(parent)!r} does not exist; create it or choose another --out")
+        raise OutputPathError(f"output folder {str(parent)!r} does not exist; create it or choose another {flag}")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise OutputPathError(f"output {str(path)!r} is not writable; choose another --out")
+        raise OutputPathError(f"output {str(path)!r} is not writable; choose another {flag}")
     return path
 
 

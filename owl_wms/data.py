@@ -10,7 +10,8 @@ and smoothly, so the past frames already predict most of the next turn and a mod
 without reading the controls; it turns hard only when a wall is close ahead, so in its episodes
 a hard turn nearly always faces a wall up close (``turn_wall_statistics``). ``lively`` turns
 faster with less persistence, so the next view depends on the action far more than on the
-motion so far.
+motion so far. ``still`` sometimes lets go of the mouse; ``sweep`` and ``roam`` (from still) also
+turn in the open, by held turns anywhere or by turning away from walls while they are still far.
 """
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ class PolicyStyle:
     mouse_std: tuple[float, float]  # bit-identical to the data the earlier worlds learned); its std [dx, dy]
     still_start: float = 0.0  # per-frame chance to let go of the mouse: it then sends exactly (0, 0),
     still_hold: float = 0.0  # as a player at rest does; chance per frame to keep it let go
+    sweep_start: float = 0.0  # per-frame chance to start holding a turn wherever the player is,
+    sweep_hold: float = 0.0  # not only at a close wall; chance per frame to keep holding it
+    sweep_rate: tuple[float, float] = (0.0, 0.0)  # |mouse x| of a held turn, drawn uniformly
+    avoid_near: float = 0.9  # start turning away when a wall is this close ahead (middle third of the view),
+    avoid_clear: float = 1.6  # stop once the nearest one there is this far
 
 
 # "still": explore, but about a quarter of the frames (stretches of about 9) leave the mouse alone,
@@ -49,6 +55,17 @@ class PolicyStyle:
 # never sends it, and a world trained on explore alone answers it worse than any small motion
 POLICY_STYLES = {"explore": PolicyStyle(0.85, 0.15, (7.0, 2.0)), "lively": PolicyStyle(0.5, 0.5, (12.0, 4.0)),
                  "still": PolicyStyle(0.85, 0.15, (7.0, 2.0), still_start=0.05, still_hold=0.9)}
+# "sweep": still, plus turns held for about 14 frames at 3-9 mouse units wherever the player is.
+# In the other styles a hard turn comes only from a close wall ahead (turn_wall_statistics: 99% of
+# still's), so a world learns "turning = a wall fills the view" and dreams one under a scripted turn
+# in the open; in sweep's episodes (2-wide corridors) 8% of all frames turn hard in the open
+POLICY_STYLES["sweep"] = dataclasses.replace(POLICY_STYLES["still"], sweep_start=0.04, sweep_hold=0.93,
+                                             sweep_rate=(3.0, 9.0))
+# "roam": still, but turning away from a wall 2 units ahead (not 0.9) until it is 3 away (not 1.6):
+# in 2-wide corridors its steady frames almost never face a near wall (0.2% against still's 31%)
+# and 16% of all its frames turn hard in the open, where still's near-wall frames teach a world
+# that walking forward ends at a wall filling the view
+POLICY_STYLES["roam"] = dataclasses.replace(POLICY_STYLES["still"], avoid_near=2.0, avoid_clear=3.0)
 
 
 def policy_mixture(spec: str) -> tuple[str, ...]:
@@ -85,6 +102,7 @@ class ExplorerPolicy:
         self.held = np.zeros(11, dtype=bool)
         self.mouse = np.zeros(2)
         self.turn = 0.0  # committed turn (mouse x) while avoiding a wall
+        self.sweep = 0.0  # held turn (mouse x) in the open
 
     def act(self, sim: MazeSim) -> tuple[list[float], list[int]]:
         rng = self.rng
@@ -99,15 +117,20 @@ class ExplorerPolicy:
         centre = depth[len(depth) // 3: 2 * len(depth) // 3].min()
         if self.style.still_start:  # no draw otherwise: explore and lively stay bit-identical
             self.still = rng.random() < (self.style.still_hold if self.still else self.style.still_start)
-        if self.turn == 0.0 and centre < 0.9:
+        if self.style.sweep_start:  # no draw otherwise, as for still
+            if self.sweep == 0.0 and rng.random() < self.style.sweep_start:
+                self.sweep = float(rng.choice([-1, 1]) * rng.uniform(*self.style.sweep_rate))
+            elif self.sweep != 0.0 and rng.random() >= self.style.sweep_hold:
+                self.sweep = 0.0
+        if self.turn == 0.0 and centre < self.style.avoid_near:
             self.turn = float(rng.choice([-1, 1]) * rng.uniform(6, 12))
-        elif centre > 1.6:
+        elif centre > self.style.avoid_clear:
             self.turn = 0.0
-        if self.still and self.turn == 0.0:
+        if self.still and self.turn == 0.0 and self.sweep == 0.0:
             self.mouse = np.zeros(2)  # at rest: when the hand comes back, the motion starts from zero
             return [0.0, 0.0], self.held.astype(int).tolist()
-        self.still = False  # a close wall brings the hand back to turn
-        mouse = self.mouse + np.array([self.turn, 0.0])
+        self.still = False  # a close wall or a held turn brings the hand back
+        mouse = self.mouse + np.array([self.turn or self.sweep, 0.0])  # a close wall overrides a sweep
         return [round(float(mouse[0]), 3), round(float(mouse[1]), 3)], self.held.astype(int).tolist()
 
 
@@ -152,7 +175,8 @@ def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: f
     in size, and for those and for the rest (|mouse x| < 2) the median distance to the nearest
     wall in the middle third of the view and the share with one nearer than ``near``: what a
     world model trained on the policy's episodes (in a maze of ``corridor``-wide passages) is
-    asked to show under a turn. Also the share of frames with the mouse exactly at rest, (0, 0)."""
+    asked to show under a turn; the share of all frames that turn hard with no wall that near
+    (what a scripted turn in the open asks for); and the share with the mouse exactly at rest, (0, 0)."""
     turning, steady, at_rest = [], [], []
 
     def watch(sim: MazeSim, mouse):
@@ -169,4 +193,5 @@ def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: f
     return {"style": style, "corridor": corridor, "turning_share": len(turning) / (levels * frames),
             "turning_median_wall": float(np.median(turning)), "steady_median_wall": float(np.median(steady)),
             "turning_near_share": float((turning < near).mean()), "steady_near_share": float((steady < near).mean()),
+            "turning_open_share": float((turning >= near).sum() / (levels * frames)),
             "at_rest_share": float(np.mean(at_rest))}

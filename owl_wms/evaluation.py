@@ -72,16 +72,16 @@ def autoregressive(pipe, ep: Episode, n: int, actions: Episode | None = None,
     return out
 
 
-def rollout_sheet(rows: list[tuple[np.ndarray, np.ndarray]], every: int, gap: int = 2) -> np.ndarray:
-    """One uint8 image of (real, predicted) frame sequences [n, H, W, 3]: for each pair a row of
-    the real frames above a row of the predictions, frame indices 1, 1 + every, ... as columns,
-    ``gap`` white pixels between pairs; what the PSNR curve means, to the eye."""
+def rollout_sheet(rows: list[tuple[np.ndarray, ...]], every: int, gap: int = 2) -> np.ndarray:
+    """One uint8 image of aligned frame sequences [n, H, W, 3], typically (real, predicted): for
+    each tuple a row per sequence (the real frames above the predictions), frame indices 1,
+    1 + every, ... as columns, ``gap`` white pixels between tuples; what the PSNR curve means, to the eye."""
     blocks = []
-    for real, pred in rows:
-        if real.shape != pred.shape:
-            raise ValueError(f"real frames {real.shape} and predictions {pred.shape} differ in shape")
-        pick = slice(0, len(real), every)
-        block = np.concatenate([np.concatenate(list(real[pick]), axis=1), np.concatenate(list(pred[pick]), axis=1)])
+    for seqs in rows:
+        if any(s.shape != seqs[0].shape for s in seqs):
+            raise ValueError(f"real frames {seqs[0].shape} and predictions {seqs[-1].shape} differ in shape")
+        pick = slice(0, len(seqs[0]), every)
+        block = np.concatenate([np.concatenate(list(s[pick]), axis=1) for s in seqs])
         blocks += [block, np.full((gap, block.shape[1], 3), 255, np.uint8)]
     return np.concatenate(blocks[:-1])
 

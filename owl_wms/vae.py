@@ -1,6 +1,8 @@
 """Frame decoder: a diffusers autoencoder loaded from a local folder (no hub access)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import diffusers
 import torch
 from torch import nn
@@ -59,17 +61,27 @@ def autoencoder_class(name: str):
     return cls
 
 
+def load_autoencoder(folder: str | Path, cls_name: str = "AutoencoderTiny", what: str = "--vae",
+                     fix: str = "give the final/ folder that scripts.train_vae wrote"):
+    """A diffusers autoencoder from its save_pretrained folder, never from the hub; a missing or
+    foreign folder is an error that names ``what`` pointed at it and the ``fix``."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        why = "does not exist" if not folder.exists() else "has no config.json"
+        raise ConfigError(f"{what} {str(folder)!r} {why}, so it is not a save_pretrained autoencoder folder; {fix}")
+    cls = autoencoder_class(cls_name)
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()  # AutoencoderTiny warns about its own saved keys
+    try:
+        return cls.from_pretrained(str(folder), local_files_only=True)
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
+
+
 def load_decoder(world: WorldConfig) -> FrameDecoder:
     folder = world.resolve(world.decoder.path)
     if folder is None:
         raise ConfigError(f"{world.path}: no decoder.path; add a 'decoder: {{class: ..., path: vae}}' section")
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"{world.path}: decoder folder {str(folder)!r} has no config.json "
-                          "(save the autoencoder there with save_pretrained)")
-    verbosity = diffusers.utils.logging.get_verbosity()
-    diffusers.utils.logging.set_verbosity_error()  # AutoencoderTiny warns about its own saved keys
-    try:
-        ae = autoencoder_class(world.decoder.cls).from_pretrained(str(folder), local_files_only=True)
-    finally:
-        diffusers.utils.logging.set_verbosity(verbosity)
+    ae = load_autoencoder(folder, world.decoder.cls, what=f"{world.path}: decoder.path",
+                          fix="save the autoencoder there with save_pretrained")
     return FrameDecoder(ae.eval(), world.model.channels)

@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from owl_wms.data import episode_options
 from owl_wms.training import file_stage_clock
-from owl_wms.vae import FrameDecoder, autoencoder_class
+from owl_wms.config import ConfigError
+from owl_wms.vae import FrameDecoder, load_autoencoder
 
 
 def main(argv=None):
@@ -32,13 +33,16 @@ def main(argv=None):
     p.add_argument("--out", default="work/latents")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    ae = autoencoder_class(args.vae_class).from_pretrained(args.vae, local_files_only=True).to(args.device).eval()
-    coder = FrameDecoder(ae, ae.config.latent_channels)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     episodes = sorted(Path(args.data).glob("ep_*.safetensors"))
     if not episodes:
         raise SystemExit(f"error: no episodes in {args.data}; run scripts.generate_data first")
+    try:
+        ae = load_autoencoder(args.vae, args.vae_class).to(args.device).eval()
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    coder = FrameDecoder(ae, ae.config.latent_channels)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     before = json.loads((out / "stats.json").read_text()) if (out / "stats.json").is_file() else {}
     todo = [ep for ep in episodes if not (out / ep.name).exists()]
     stage_time = file_stage_clock(before, len(episodes), len(todo))

@@ -4,8 +4,9 @@
 
 For each policy: the share of frames with a hard turn (|mouse x| > 5), and for those and for
 steady frames (|mouse x| < 2) the median distance to the nearest wall in the middle third of
-the view and the share with a wall nearer than 1.6; and the share of frames with the mouse
-exactly at rest, (0, 0). Levels are the training seeds 0, 1, ...
+the view and the share with a wall nearer than 1.6; the share of all frames that turn hard with
+no wall that near; and the share of frames with the mouse exactly at rest, (0, 0). Levels are
+the training seeds 0, 1, ...
 """
 from __future__ import annotations
 

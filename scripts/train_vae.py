@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from owl_wms.config import ConfigError
 from owl_wms.training import RunLog, load_training_state, save_training_state, warmup_cosine
 from owl_wms.training.vae import build_autoencoder, load_autoencoder, load_frames, psnr, vae_loss
 from owl_wms.vae import to_unit
@@ -70,7 +71,10 @@ def main(argv=None):
     train, val = frames[: -args.held_out * per_ep], frames[-args.held_out * per_ep:][::8]
     if (args.decoder_only or args.score_only) and not args.init:
         p.error("--decoder-only and --score-only take a trained autoencoder: give its save_pretrained folder with --init")
-    ae = load_autoencoder(args.init) if args.init else build_autoencoder(args.channels, args.width)
+    try:
+        ae = load_autoencoder(args.init) if args.init else build_autoencoder(args.channels, args.width)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     ae = ae.to(args.device, memory_format=torch.channels_last)
     if args.score_only:
         print(f"held-out reconstruction PSNR {held_out_psnr(ae, val, args.device):.2f} dB "

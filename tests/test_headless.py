@@ -205,7 +205,7 @@ def test_the_simulator_plays_on_beside_the_model_from_the_same_level(tmp_path):
 
     def step():
         model = pipe(None, None)[0].numpy()
-        out = beside.frame(pipe.last_controls, model)
+        out = beside.frame(beside.step(pipe.last_controls), model)
         assert out.shape == (h, 2 * w + SimulatorBeside.GAP, 3) and np.array_equal(out[:, -w:], model)
         assert not out[:, w:w + SimulatorBeside.GAP].any()
         return out[:, :w]
@@ -237,11 +237,25 @@ def test_clips_record_their_level_and_the_cli_puts_the_simulator_beside(tmp_path
     with pytest.raises(ValueError, match="does not record the simulator level"):
         SimulatorBeside(pipe)
 
-    out = tmp_path / "beside.mp4"
+    out, sheet = tmp_path / "beside.mp4", tmp_path / "beside.png"
     r = run("--checkpoint", str(ckpt), "--headless", "--beside-simulator", "--clip", str(tmp_path / "level.safetensors"),
-            "--frames", "3", "--scale", "1", "--out", str(out))
+            "--frames", "3", "--scale", "1", "--out", str(out), "--sheet", str(sheet), "--save-frames", str(tmp_path / "m.npy"))
     assert r.returncode == 0, r.stderr
-    assert read_frames(out).shape == (3, 64, 2 * 64 + SimulatorBeside.GAP, 3)
+    video = read_frames(out)
+    assert video.shape == (3, 64, 2 * 64 + SimulatorBeside.GAP, 3)
+    # the contact sheet: frames 0 and 2 (--sheet-every 2), the simulator's row above the model's, exactly
+    import matplotlib.pyplot as plt
+
+    picture = (plt.imread(sheet)[..., :3] * 255).round().astype(np.uint8)
+    model = np.load(tmp_path / "m.npy")
+    assert picture.shape == (2 * 64, 2 * 64, 3)
+    assert np.array_equal(picture[64:, :64], model[0]) and np.array_equal(picture[64:, 64:], model[2])
+    def far(a, b):  # the video is H.264: near the sheet's simulator frames, not exact
+        return np.abs(a.astype(int) - b).mean()
+
+    assert far(picture[:64, :64], video[0, :, :64]) < 8 and far(picture[:64, 64:], video[2, :, :64]) < 8
+    r = run("--checkpoint", str(ckpt), "--headless", "--frames", "1", "--out", str(out), "--sheet", str(tmp_path / "s.jpg"))
+    assert r.returncode == 2 and "--sheet" in r.stderr and "must end in .png" in r.stderr
     r = run("--checkpoint", str(ckpt), "--headless", "--beside-simulator", "--clip", str(tmp_path / "bare.safetensors"),
             "--frames", "3", "--out", str(tmp_path / "bare.mp4"))
     assert r.returncode == 2 and "does not record the simulator level" in r.stderr and "Traceback" not in r.stderr
@@ -262,5 +276,5 @@ def test_shipped_clips_record_their_level_so_the_simulator_plays_beside():
     beside = SimulatorBeside(pipe)
     for k in range(2):
         model = pipe(None, None)[0].numpy()
-        out = beside.frame(pipe.last_controls, model)
+        out = beside.frame(beside.step(pipe.last_controls), model)
         assert np.array_equal(out[:, :real.shape[2]], real[pipe.window + k])

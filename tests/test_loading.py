@@ -182,3 +182,20 @@ def test_original_schema_loads_as_is(tmp_path):
 
     with pytest.raises(ConfigError, match="no decoder.path"):
         owl_wms.from_pretrained(tmp_path / "dit_v4_dmd.yml", tmp_path / "w.safetensors", return_decoder=True)
+
+
+def test_a_missing_decoder_folder_is_named_with_the_fix(tmp_path):
+    """A checkpoint without its vae/ says which config points where and what to do, not diffusers'
+    hub message about an internet connection."""
+    import shutil
+
+    from owl_wms.config import ConfigError
+
+    ckpt = tmp_path / "tiny"
+    shutil.copytree(REPO / "checkpoints" / "untrained-tiny", ckpt)
+    shutil.rmtree(ckpt / "vae")
+    with pytest.raises(ConfigError, match=r"config.yaml: decoder.path '.*vae' does not exist.*save_pretrained"):
+        owl_wms.from_pretrained(ckpt / "config.yaml", return_decoder=True)
+    (ckpt / "vae").mkdir()
+    with pytest.raises(ConfigError, match=r"decoder.path '.*vae' has no config.json"):
+        owl_wms.from_pretrained(ckpt / "config.yaml", return_decoder=True)

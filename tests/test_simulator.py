@@ -204,6 +204,36 @@ def test_still_policy_lets_go_of_the_mouse_and_the_others_stay_as_they_were():
     assert frames and all(frames)
 
 
+def test_sweep_and_roam_policies_turn_in_the_open_and_still_stays_as_it_was():
+    """still turns hard only at a close wall; sweep also holds turns in the open (as walk_turn
+    does), in stretches of one sign, and keeps still's mouse at rest; roam turns away from walls
+    early, so its steady frames seldom face a near one. still draws the episodes it drew before
+    sweep and roam existed (digest of HEAD's episode then)."""
+    import hashlib
+
+    from owl_wms.data import turn_wall_statistics
+
+    wide = SimConfig(corridor=2)
+    f, m, b = rollout_episode(5, 120, style="still", config=wide)
+    assert hashlib.sha256(m.tobytes() + b.tobytes() + f.tobytes()).hexdigest()[:16] == "1be499e0865bba72"
+    still, sweep, roam = (turn_wall_statistics(style, levels=2, frames=256, corridor=2)
+                          for style in ("still", "sweep", "roam"))
+    assert still["turning_open_share"] < 0.01
+    assert sweep["turning_open_share"] > 0.05 and roam["turning_open_share"] > 0.05
+    assert roam["steady_near_share"] < 0.05 < still["steady_near_share"]
+    assert roam["steady_median_wall"] > still["steady_median_wall"] + 0.5
+    assert sweep["at_rest_share"] > 0.02  # about 12% over 16 levels
+    policy, sim, held = ExplorerPolicy(2, "sweep"), MazeSim(2, wide), []
+    for _ in range(256):
+        mouse, buttons = policy.act(sim)
+        held.append(policy.sweep)
+        sim.step(mouse, buttons)
+    held = np.array(held)
+    assert (np.abs(held[held != 0]) >= 3).all() and (np.abs(held) <= 9).all()
+    changes = np.flatnonzero(np.diff(held) != 0)
+    assert len(changes) >= 2 and (held != 0).sum() / max(1, (np.diff((held != 0).astype(int)) == 1).sum()) > 5
+
+
 def test_turn_wall_statistics_see_explores_turns_at_walls(capsys):
     """The exploring policy turns hard when a wall is close ahead: its hard-turn frames face a
     near wall far more often than its steady ones (the statistic a world model picks up)."""

@@ -125,6 +125,19 @@ def test_score_only_reports_the_held_out_psnr_the_training_recorded(chain, tmp_p
         train_vae.main(["--data", str(chain / "data"), "--score-only"])  # no --init
 
 
+def test_a_missing_autoencoder_folder_is_named_with_the_fix(chain, tmp_path):
+    """Not diffusers' hub message about an internet connection: the flag, the path and what to give."""
+    from scripts import encode_latents, train_vae
+
+    missing = tmp_path / "vae" / "final"
+    with pytest.raises(SystemExit, match=f"--vae '{missing}' does not exist.*final/ folder that scripts.train_vae wrote"):
+        encode_latents.main(["--data", str(chain / "data"), "--vae", str(missing), "--out", str(tmp_path / "lat")])
+    assert not (tmp_path / "lat").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=f"--init '{tmp_path / 'empty'}' has no config.json"):
+        train_vae.main(["--data", str(chain / "data"), "--init", str(tmp_path / "empty"), "--score-only"])
+
+
 def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypatch):
     from scripts import train_world
 

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from diffusers import AutoencoderTiny
 from safetensors import safe_open
 
+from .. import vae as frame_vae
+
 
 def load_frames(folder: str | Path, limit: int | None = None) -> torch.Tensor:
     """All episode frames in a folder as uint8 [N, 3, H, W]."""
@@ -31,10 +33,7 @@ def build_autoencoder(latent_channels: int, width: int = 64) -> AutoencoderTiny:
 
 def load_autoencoder(folder: str | Path) -> AutoencoderTiny:
     """A trained autoencoder from its save_pretrained folder, to continue or fine-tune it."""
-    if not (Path(folder) / "config.json").is_file():
-        raise FileNotFoundError(f"--init {str(folder)!r} is not a save_pretrained folder (no config.json); "
-                                "give the final/ folder that scripts.train_vae wrote")
-    return AutoencoderTiny.from_pretrained(str(folder), local_files_only=True)
+    return frame_vae.load_autoencoder(folder, "AutoencoderTiny", what="--init")
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
