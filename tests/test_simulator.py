@@ -222,7 +222,7 @@ def test_sweep_and_roam_policies_turn_in_the_open_and_still_stays_as_it_was():
     assert sweep["turning_open_share"] > 0.05 and roam["turning_open_share"] > 0.05
     assert roam["steady_near_share"] < 0.05 < still["steady_near_share"]
     assert roam["steady_median_wall"] > still["steady_median_wall"] + 0.5
-    assert sweep["at_rest_share"] > 0.02  # about 12% over 16 levels
+    assert sweep["at_rest_share"] > 0.02  # 11.4% over 16 levels
     policy, sim, held = ExplorerPolicy(2, "sweep"), MazeSim(2, wide), []
     for _ in range(256):
         mouse, buttons = policy.act(sim)
