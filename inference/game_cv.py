@@ -193,7 +193,7 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
     writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
     interrupted, error = False, None
     pipe_seconds = 0.0
-    raw, shown = [], []  # model frames (--save-frames); the views of each frame (--sheet)
+    shown = []  # the views of each frame, (simulator, model) or (model,): --save-frames and --sheet
     try:
         with StopOnSigint() as stop:
             pipe = build_pipeline(args, tp)
@@ -213,9 +213,7 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
                 pipe_seconds += secs
                 views = (frame.numpy(),) if beside is None else (beside.step(pipe.last_controls), frame.numpy())
                 writer.write(views[0] if beside is None else beside.frame(*views))
-                if frames_path is not None:
-                    raw.append(views[-1])
-                if sheet_path is not None:
+                if frames_path is not None or sheet_path is not None:
                     shown.append(views)
                 bar.update(1)
             bar.close()
@@ -226,8 +224,8 @@ def run_headless(args, tp: ParallelContext | None = None) -> int:
         error = exc
     finally:
         path = writer.close()
-        if frames_path is not None and raw:
-            save_frames(frames_path, raw)
+        if frames_path is not None and shown:
+            save_frames(frames_path, [views[-1] for views in shown])
         if sheet_path is not None and shown:
             save_sheet(sheet_path, shown, args.sheet_every)
     n = writer.frames

@@ -66,15 +66,15 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     out = Path(args.out)
-    frames = load_frames(args.data)
-    per_ep = frames.shape[0] // len(list(Path(args.data).glob("ep_*.safetensors")))
-    train, val = frames[: -args.held_out * per_ep], frames[-args.held_out * per_ep:][::8]
     if (args.decoder_only or args.score_only) and not args.init:
         p.error("--decoder-only and --score-only take a trained autoencoder: give its save_pretrained folder with --init")
-    try:
+    try:  # before the frames are read: a wrong --init fails at once
         ae = load_autoencoder(args.init) if args.init else build_autoencoder(args.channels, args.width)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+    frames = load_frames(args.data)
+    per_ep = frames.shape[0] // len(list(Path(args.data).glob("ep_*.safetensors")))
+    train, val = frames[: -args.held_out * per_ep], frames[-args.held_out * per_ep:][::8]
     ae = ae.to(args.device, memory_format=torch.channels_last)
     if args.score_only:
         print(f"held-out reconstruction PSNR {held_out_psnr(ae, val, args.device):.2f} dB "
