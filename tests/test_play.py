@@ -188,12 +188,17 @@ def test_no_display_gives_a_clear_message_not_a_traceback():
 @pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xdotool")),
                     reason="needs Xvfb and xdotool (Debian packages xvfb, xdotool)")
 def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
-    display = f":{90 + os.getpid() % 9}"
-    xvfb = subprocess.Popen(["Xvfb", display, "-screen", "0", "640x480x24", "-nolisten", "tcp"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {**{k: v for k, v in NO_OWL.items() if k != "SDL_VIDEODRIVER"}, "DISPLAY": display}
+    # -displayfd: Xvfb picks a free display and writes its number once it accepts clients (a
+    # fixed display and a fixed sleep failed under load: the game found no server and exited).
+    read_fd, write_fd = os.pipe()
+    xvfb = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "640x480x24", "-nolisten", "tcp"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,))
+    os.close(write_fd)
     try:
-        time.sleep(1.0)
+        with os.fdopen(read_fd) as ready:
+            number = ready.readline().strip()
+        assert number.isdigit(), f"Xvfb did not start (exit code {xvfb.poll()})"
+        env = {**{k: v for k, v in NO_OWL.items() if k != "SDL_VIDEODRIVER"}, "DISPLAY": f":{number}"}
         game = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--record", str(tmp_path / "x.mp4"),
                                  "--save-actions", str(tmp_path / "x.jsonl"), "--record-dir", str(tmp_path),
                                  "--max-frames", "90", "--scale", "4"], cwd=REPO, env=env,
@@ -201,6 +206,8 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
         xdo = lambda *a: subprocess.run(["xdotool", *a], env=env, capture_output=True, text=True)  # noqa: E731
         deadline = time.time() + 120
         while time.time() < deadline and not xdo("search", "--classname", "game_cv").stdout.strip():
+            if game.poll() is not None:
+                pytest.fail(f"game_cv exited ({game.returncode}) before its window opened: {game.communicate()[1]}")
             time.sleep(0.2)
         win = xdo("search", "--classname", "game_cv").stdout.split()[0]
         while time.time() < deadline and "kv static" not in xdo("getwindowname", win).stdout:
