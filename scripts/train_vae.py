@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from owl_wms.config import ConfigError
 from owl_wms.training import RunLog, load_training_state, save_training_state, warmup_cosine
-from owl_wms.training.vae import build_autoencoder, load_autoencoder, load_frames, psnr, vae_loss
-from owl_wms.vae import to_unit
+from owl_wms.training.vae import build_autoencoder, load_frames, psnr, vae_loss
+from owl_wms.vae import load_autoencoder, to_unit
 
 
 def base_metrics(folder: str) -> dict | None:
@@ -69,7 +69,7 @@ def main(argv=None):
     if (args.decoder_only or args.score_only) and not args.init:
         p.error("--decoder-only and --score-only take a trained autoencoder: give its save_pretrained folder with --init")
     try:  # before the frames are read: a wrong --init fails at once
-        ae = load_autoencoder(args.init) if args.init else build_autoencoder(args.channels, args.width)
+        ae = load_autoencoder(args.init, what="--init") if args.init else build_autoencoder(args.channels, args.width)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     frames = load_frames(args.data)

@@ -189,7 +189,7 @@ def test_no_display_gives_a_clear_message_not_a_traceback():
                     reason="needs Xvfb and xdotool (Debian packages xvfb, xdotool)")
 def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
     # -displayfd: Xvfb picks a free display and writes its number once it accepts clients (a
-    # fixed display and a fixed sleep failed under load: the game found no server and exited).
+    # fixed display and a fixed sleep could leave the game without a server under load).
     read_fd, write_fd = os.pipe()
     xvfb = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "640x480x24", "-nolisten", "tcp"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,))

@@ -88,7 +88,7 @@ def test_file_stages_keep_their_time_over_reruns(chain, tmp_path):
 def test_decoder_only_fine_tune_keeps_the_encoder(chain, tmp_path):
     """--init ... --decoder-only trains the decoder alone: the encoder, and so the latents a world
     model learned from, stay bit-identical; the metrics keep the base run's for MODEL.md."""
-    from owl_wms.training.vae import load_autoencoder
+    from owl_wms.vae import load_autoencoder
     from scripts import train_vae
     from scripts.export_checkpoint import chain_commands
 

@@ -9,8 +9,6 @@ import torch.nn.functional as F
 from diffusers import AutoencoderTiny
 from safetensors import safe_open
 
-from .. import vae as frame_vae
-
 
 def load_frames(folder: str | Path, limit: int | None = None) -> torch.Tensor:
     """All episode frames in a folder as uint8 [N, 3, H, W]."""
@@ -29,11 +27,6 @@ def build_autoencoder(latent_channels: int, width: int = 64) -> AutoencoderTiny:
     return AutoencoderTiny(latent_channels=latent_channels, encoder_block_out_channels=blocks,
                            decoder_block_out_channels=blocks, num_encoder_blocks=(1, 2, 2, 2),
                            num_decoder_blocks=(2, 2, 2, 1))
-
-
-def load_autoencoder(folder: str | Path) -> AutoencoderTiny:
-    """A trained autoencoder from its save_pretrained folder, to continue or fine-tune it."""
-    return frame_vae.load_autoencoder(folder, "AutoencoderTiny", what="--init")
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
