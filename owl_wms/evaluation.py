@@ -79,7 +79,8 @@ def rollout_sheet(rows: list[tuple[np.ndarray, ...]], every: int, gap: int = 2) 
     blocks = []
     for seqs in rows:
         if any(s.shape != seqs[0].shape for s in seqs):
-            raise ValueError(f"real frames {seqs[0].shape} and predictions {seqs[-1].shape} differ in shape")
+            raise ValueError(f"rollout_sheet: the sequences of one row differ in shape "
+                             f"({', '.join(str(tuple(s.shape)) for s in seqs)}); pass aligned frames [n, H, W, 3]")
         pick = slice(0, len(seqs[0]), every)
         block = np.concatenate([np.concatenate(list(s[pick]), axis=1) for s in seqs])
         blocks += [block, np.full((gap, block.shape[1], 3), 255, np.uint8)]

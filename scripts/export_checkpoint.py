@@ -79,9 +79,33 @@ def vae_row(vae: dict) -> str:
     return text
 
 
-def world_commands(train: dict, latents: str, export: str, world_dir: str = "work/world") -> list[str]:
-    """The train_world commands behind a world's training record; a fine-tune (``--init``)
-    is preceded by the commands of the world it started from and that world's export."""
+def data_commands(options: dict) -> tuple[list[str], str, str]:
+    """The commands that make a world model's episodes and latents (``options``: a manifest or
+    its episode options), and the ``--latents`` / ``--data`` arguments naming their folders. The
+    default episodes are the VAE's own, so they need only encoding and their folders are the defaults."""
+    changed = {k: v for k, v in episode_options(options).items() if v != EPISODE_OPTIONS[k]}
+    if not changed:
+        return ["python -m scripts.encode_latents       # latents + measured vae_scale"], "", ""
+    flags = " ".join(f"--{k} {v}" for k, v in changed.items())
+    name = "_".join(str(v) if k == "policy" else f"{k}{v}" for k, v in changed.items())
+    return [f"python -m scripts.generate_data {flags} --out work/data_{name}   # the world model's episodes",
+            f"python -m scripts.encode_latents --data work/data_{name} --out work/latents_{name}   "
+            "# latents + measured vae_scale"], f" --latents work/latents_{name}", f" --data work/data_{name}"
+
+
+def base_data(train: dict, data: dict) -> dict:
+    """The episode options a fine-tune's base world learned from: its export's record of them, or,
+    for a base exported before records kept them, the fine-tune's own."""
+    return train["base"].get("data", {}).get("options", data)
+
+
+def world_commands(train: dict, data: dict, vae_arg: str, world_dir: str = "work/world",
+                   made: list[str] | None = None) -> list[str]:
+    """The commands behind a world's training record: its episodes' and latents' (``data``: their
+    options) unless ``made`` already holds them, then its train_world runs; a fine-tune (``--init``)
+    is preceded by the commands of the world it started from, on that world's own episodes, and
+    that world's export."""
+    made = [] if made is None else made
     lines = []
     if train.get("init"):
         base = train.get("base")
@@ -89,9 +113,14 @@ def world_commands(train: dict, latents: str, export: str, world_dir: str = "wor
             raise SystemExit(f"the world model was fine-tuned from {train['init']!r}, whose folder has no "
                              f"{WORLD_RECORD}: MODEL.md cannot say how that world was trained")
         base_dir = base.get("out", "work/world")
-        lines += world_commands(base, latents, export, base_dir)
-        lines += [f"{export}{'' if base_dir == 'work/world' else f' --world {base_dir}'} --out {train['init']}"
+        lines += world_commands(base, base_data(train, data), vae_arg, base_dir, made)
+        _, latents, data_arg = data_commands(base_data(train, data))
+        lines += [f"python -m scripts.export_checkpoint{latents}{data_arg}{vae_arg}"
+                  f"{'' if base_dir == 'work/world' else f' --world {base_dir}'} --out {train['init']}"
                   "   # the world to fine-tune"]
+    data_lines, latents, _ = data_commands(data)
+    lines += [c for c in data_lines if c not in made]
+    made += data_lines
     out = "" if world_dir == "work/world" else f" --out {world_dir}"
     for i, r in enumerate(train_world_commands(train)):
         options = f" {r['options']}" if r["options"] else ""
@@ -104,28 +133,45 @@ def world_commands(train: dict, latents: str, export: str, world_dir: str = "wor
 def chain_commands(data: dict, train: dict, vae: dict, world_dir: str = "work/world") -> list[str]:
     """MODEL.md's recipe. The VAE always learns from the default episodes (exploring policy,
     one-unit corridors); a world model trained on other episodes (``data``: the manifest of
-    its episodes, whose non-default options name its data and latents folders) gets its own."""
+    its episodes, whose non-default options name its data and latents folders) gets its own,
+    and so does the base world of a fine-tune (its record's ``data``)."""
     vae_lines, vae_dir = vae_commands(vae)
+    vae_arg = "" if vae_dir == "work/vae/final" else f" --vae {vae_dir}"
     lines = ["python -m scripts.generate_data        # simulator episodes (exploring policy)", *vae_lines]
-    options = {k: v for k, v in episode_options(data).items() if v != EPISODE_OPTIONS[k]}
-    if not options:
-        lines += ["python -m scripts.encode_latents       # latents + measured vae_scale"]
-        latents = data_arg = ""
-    else:
-        flags = " ".join(f"--{k} {v}" for k, v in options.items())
-        name = "_".join(str(v) if k == "policy" else f"{k}{v}" for k, v in options.items())
-        lines += [f"python -m scripts.generate_data {flags} --out work/data_{name}   # the world model's episodes",
-                  f"python -m scripts.encode_latents --data work/data_{name} --out work/latents_{name}   "
-                  "# latents + measured vae_scale"]
-        latents, data_arg = f" --latents work/latents_{name}", f" --data work/data_{name}"
-    export = f"python -m scripts.export_checkpoint{latents}{data_arg}" + \
-        ("" if vae_dir == "work/vae/final" else f" --vae {vae_dir}")
-    lines += world_commands(train, latents, export, world_dir)
-    if world_dir != "work/world":
-        export += f" --world {world_dir}"
+    lines += world_commands(train, data, vae_arg, world_dir)
+    _, latents, data_arg = data_commands(data)
+    export = f"python -m scripts.export_checkpoint{latents}{data_arg}{vae_arg}" + \
+        ("" if world_dir == "work/world" else f" --world {world_dir}")
     return lines + [f"{export}   # checkpoints/maze-world",
                     "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
                     f"{export} --eval eval/maze-world/eval.json   # MODEL.md with the evaluation"]
+
+
+def data_record(manifest: dict, stats: dict, episodes: dict) -> dict:
+    """What a world's export keeps of its episodes and latents: their options, size, stage
+    times and vae_scale."""
+    times = ("seconds_this_run", "seconds_all_runs", "runs")
+    return {"options": episodes, "episodes": manifest.get("episodes"), "frames": manifest.get("frames"),
+            "generate": {k: manifest[k] for k in times if k in manifest},
+            "encode": {k: stats[k] for k in times if k in stats}, "vae_scale": stats["vae_scale"]}
+
+
+def data_rows(data: dict, train: dict) -> tuple[str, str]:
+    """MODEL.md's data and encode rows: the world's episodes (``data``: ``data_record``), then
+    those of a fine-tune's base world where they differ."""
+    def rows(d: dict) -> tuple[str, str]:
+        corridor = d["options"]["corridor"]
+        return (f"{d['episodes'] or '?'} episodes x {d['frames'] or '?'} frames, {d['options']['policy']} policy, "
+                f"corridors {corridor} grid unit{'s' if corridor > 1 else ''} wide, {minutes(d['generate'])}",
+                f"vae_scale (latent std) {d['vae_scale']:.4f}, {minutes(d['encode'])}")
+    data_row, encode_row = rows(data)
+    base = train.get("base", {}).get("data") if train.get("init") else None
+    if base and base["options"] != data["options"]:
+        (base_data_row, base_encode_row) = rows(base)
+        data_row = f"{base_data_row} (the base world's); {data_row} (the fine-tune's)"
+        encode_row = (f"{base_encode_row} (the base world's, which the fine-tune keeps); "
+                      f"{encode_row} (the fine-tune's episodes)")
+    return data_row, encode_row
 
 
 def world_row(train: dict) -> str:
@@ -199,7 +245,8 @@ def main(argv=None):
     # the diffusers layout) keep every tracked file small; a small model stays one model.safetensors.
     save_torch_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, out, max_shard_size=SHARD_BYTES,
                           metadata={"trained": "true"})
-    (out / WORLD_RECORD).write_text(json.dumps(train, indent=2))  # a fine-tune of this world cites it
+    # a fine-tune of this world cites it, with the episodes it learned from (MODEL.md's recipe and rows)
+    (out / WORLD_RECORD).write_text(json.dumps({**train, "data": data_record(manifest, stats, episodes)}, indent=2))
     vae_dir = world.resolve(world.decoder.path)
     # metrics.json (the VAE's training record) goes along: a later export can take this folder as
     # --vae, even re-exporting into the same checkpoint (then it is already in place, not wiped)
@@ -222,6 +269,7 @@ def main(argv=None):
     vae_metrics = json.loads((Path(args.vae) / "metrics.json").read_text())
     ev = json.loads(Path(args.eval).read_text()) if args.eval else None
     n_params = sum(v.numel() for v in state.values())
+    data_row, encode_row = data_rows(data_record(manifest, stats, episodes), train)
 
     lines = [
         f"# {world.name}", "",
@@ -237,12 +285,10 @@ def main(argv=None):
         "work shared its 2 cores.", "",
         "| figure | value |", "|---|---|",
         f"| machine | {machine()}, torch {torch.__version__} |",
-        f"| data | {manifest.get('episodes', '?')} episodes x {manifest.get('frames', '?')} frames, "
-        f"{episodes['policy']} policy, corridors {made['corridor']} grid unit"
-        f"{'s' if made['corridor'] > 1 else ''} wide, {minutes(manifest)} |",
+        f"| data | {data_row} |",
         f"| VAE held-out reconstruction PSNR | {vae_metrics['held_out_psnr_db']:.2f} dB "
         f"({vae_row(vae_metrics)}) |",
-        f"| encode | vae_scale (latent std) {stats['vae_scale']:.4f}, {minutes(stats)} |",
+        f"| encode | {encode_row} |",
         f"| world model | {world_row(train)} |",
     ]
     if ev:

@@ -337,6 +337,51 @@ def test_model_card_recipe_follows_the_data_policy():
         "python -m scripts.train_world --batch 4 --steps 2600 --target-frac 0.5 --compile"]
 
 
+def test_model_card_recipe_trains_a_fine_tunes_base_on_its_own_episodes():
+    """A world fine-tuned on other episodes than its base learned from: MODEL.md makes both sets
+    of episodes, trains and exports the base on its own latents, then fine-tunes on the new ones;
+    the data and encode rows give both."""
+    from scripts.export_checkpoint import chain_commands, data_rows
+
+    base = {"batch": 4, "steps": 1000, "frames": 32, "final_loss": 0.22, "init": None, "out": "work/world_mix",
+            "runs": [{"batch": 4, "from_step": 0, "to_step": 1000, "options": "--lr 0.001"}],
+            "data": {"options": {"policy": "still+explore", "corridor": 2}, "episodes": 256, "frames": 256,
+                     "generate": {"seconds_this_run": 192.0}, "encode": {}, "vae_scale": 0.5672}}
+    ft = {"batch": 4, "steps": 300, "frames": 32, "final_loss": 0.2, "init": "work/maze-world-mix", "base": base,
+          "runs": [{"batch": 4, "from_step": 0, "to_step": 300, "options": "--init work/maze-world-mix"}]}
+    roam = {"policy": "roam", "corridor": 2}
+    mix_lat, mix_data = "work/latents_still+explore_corridor2", "work/data_still+explore_corridor2"
+    assert [c.split("#")[0].strip() for c in chain_commands(roam, ft, {"steps": 5000}, "work/ft")] == [
+        "python -m scripts.generate_data",
+        "python -m scripts.train_vae --steps 5000",
+        f"python -m scripts.generate_data --policy still+explore --corridor 2 --out {mix_data}",
+        f"python -m scripts.encode_latents --data {mix_data} --out {mix_lat}",
+        f"python -m scripts.train_world --latents {mix_lat} --out work/world_mix --batch 4 --steps 1000 --lr 0.001",
+        f"python -m scripts.export_checkpoint --latents {mix_lat} --data {mix_data} --world work/world_mix "
+        "--out work/maze-world-mix",
+        "python -m scripts.generate_data --policy roam --corridor 2 --out work/data_roam_corridor2",
+        "python -m scripts.encode_latents --data work/data_roam_corridor2 --out work/latents_roam_corridor2",
+        "python -m scripts.train_world --latents work/latents_roam_corridor2 --out work/ft --batch 4 --steps 300 "
+        "--init work/maze-world-mix",
+        "python -m scripts.export_checkpoint --latents work/latents_roam_corridor2 --data work/data_roam_corridor2 "
+        "--world work/ft",
+        "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
+        "python -m scripts.export_checkpoint --latents work/latents_roam_corridor2 --data work/data_roam_corridor2 "
+        "--world work/ft --eval eval/maze-world/eval.json"]
+    # a base exported before its record kept its episodes: the fine-tune's stand in, made once
+    older = chain_commands(roam, {**ft, "base": {k: v for k, v in base.items() if k != "data"}}, {"steps": 5000})
+    assert not any("still+explore" in c for c in older)
+    assert sum("generate_data --policy roam" in c for c in older) == 1
+    own = {**base["data"], "options": roam, "vae_scale": 0.5305, "encode": {"seconds_this_run": 162.0}}
+    data_row, encode_row = data_rows(own, ft)
+    assert data_row.startswith("256 episodes x 256 frames, still+explore policy, corridors 2 grid units wide, 3.2 min")
+    assert "roam policy" in data_row.split("(the base world's);")[1]
+    assert "0.5672, not recorded (the base world's, which the fine-tune keeps)" in encode_row
+    assert "0.5305, 2.7 min (the fine-tune's episodes)" in encode_row
+    assert data_rows(own, {"batch": 4}) == ("256 episodes x 256 frames, roam policy, corridors 2 grid units wide, "
+                                           "3.2 min", "vae_scale (latent std) 0.5305, 2.7 min")
+
+
 def test_train_world_records_the_recipe_flags_it_was_given():
     from scripts.train_world import parser, recipe_options
 
