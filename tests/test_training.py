@@ -239,7 +239,10 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
         train_world.main(distil[:-4] + ["--distill", "-1", "--steps", "1"])
     # the fine-tune's MODEL.md lists the whole chain: the base world, its export, the fine-tune
     record = json.loads((tmp_path / "ft" / "train_metrics.json").read_text())
-    assert record["base"] == json.loads((tmp_path / "world" / "train_metrics.json").read_text())
+    # the base's training record, and the episodes its export says it learned from
+    base = dict(record["base"])
+    assert base.pop("data")["options"] == {"policy": "explore", "corridor": 1}
+    assert base == json.loads((tmp_path / "world" / "train_metrics.json").read_text())
     export_checkpoint.main([*export[:6], "--world", str(tmp_path / "ft"), "--out", str(tmp_path / "ckpt_ft"),
                             *export[-4:]])
     recipe = [line.split("#")[0].strip() for line in (tmp_path / "ckpt_ft" / "MODEL.md").read_text().splitlines()
