@@ -112,9 +112,9 @@ def world_commands(train: dict, data: dict, vae_arg: str, world_dir: str = "work
         if base is None:
             raise SystemExit(f"the world model was fine-tuned from {train['init']!r}, whose folder has no "
                              f"{WORLD_RECORD}: MODEL.md cannot say how that world was trained")
-        base_dir = base.get("out", "work/world")
-        lines += world_commands(base, base_data(train, data), vae_arg, base_dir, made)
-        _, latents, data_arg = data_commands(base_data(train, data))
+        base_dir, base_options = base.get("out", "work/world"), base_data(train, data)
+        lines += world_commands(base, base_options, vae_arg, base_dir, made)
+        _, latents, data_arg = data_commands(base_options)
         lines += [f"python -m scripts.export_checkpoint{latents}{data_arg}{vae_arg}"
                   f"{'' if base_dir == 'work/world' else f' --world {base_dir}'} --out {train['init']}"
                   "   # the world to fine-tune"]
@@ -167,7 +167,7 @@ def data_rows(data: dict, train: dict) -> tuple[str, str]:
     data_row, encode_row = rows(data)
     base = train.get("base", {}).get("data") if train.get("init") else None
     if base and base["options"] != data["options"]:
-        (base_data_row, base_encode_row) = rows(base)
+        base_data_row, base_encode_row = rows(base)
         data_row = f"{base_data_row} (the base world's); {data_row} (the fine-tune's)"
         encode_row = (f"{base_encode_row} (the base world's, which the fine-tune keeps); "
                       f"{encode_row} (the fine-tune's episodes)")
@@ -246,7 +246,8 @@ def main(argv=None):
     save_torch_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, out, max_shard_size=SHARD_BYTES,
                           metadata={"trained": "true"})
     # a fine-tune of this world cites it, with the episodes it learned from (MODEL.md's recipe and rows)
-    (out / WORLD_RECORD).write_text(json.dumps({**train, "data": data_record(manifest, stats, episodes)}, indent=2))
+    data = data_record(manifest, stats, episodes)
+    (out / WORLD_RECORD).write_text(json.dumps({**train, "data": data}, indent=2))
     vae_dir = world.resolve(world.decoder.path)
     # metrics.json (the VAE's training record) goes along: a later export can take this folder as
     # --vae, even re-exporting into the same checkpoint (then it is already in place, not wiped)
@@ -269,7 +270,7 @@ def main(argv=None):
     vae_metrics = json.loads((Path(args.vae) / "metrics.json").read_text())
     ev = json.loads(Path(args.eval).read_text()) if args.eval else None
     n_params = sum(v.numel() for v in state.values())
-    data_row, encode_row = data_rows(data_record(manifest, stats, episodes), train)
+    data_row, encode_row = data_rows(data, train)
 
     lines = [
         f"# {world.name}", "",
