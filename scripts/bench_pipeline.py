@@ -1,8 +1,8 @@
 """Frames per second of the streaming pipeline.
 
-    python -m scripts.bench_pipeline [--frames 32] [--prod-window 8] [--device cpu] [--skip-prod]
+    python -m scripts.bench_pipeline [--frames 32] [--prod-window 8] [--device cpu] [--skip-prod] [--checkpoint C ...]
 
-Rows measured in one run: the shipped default world (denoise + decode), and the
+Rows measured in one run: the shipped default world (or each ``--checkpoint``; denoise + decode), and the
 production-size GameRFT (16 layers, d_model 1536, 24 heads, 64 tokens/frame, random
 weights, bf16) with a reduced window (denoise only: no production decoder ships here).
 Then each one's prefill (a window of history in one model call), with SDPA in query chunks
@@ -93,24 +93,25 @@ def main(argv=None):
     p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex"])
     p.add_argument("--compile", action="store_true")
     p.add_argument("--skip-prod", action="store_true")
+    p.add_argument("--checkpoint", action="append", default=None,
+                   help="a world checkpoint folder to measure (repeat to compare worlds in one run; default: the shipped one)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
 
-    print(f"command: {' '.join([sys.executable.split('/')[-1], '-m', 'scripts.bench_pipeline', *sys.argv[1:]])}")
+    print(f"command: {' '.join([sys.executable.split('/')[-1], '-m', 'scripts.bench_pipeline', *(sys.argv[1:] if argv is None else argv)])}")
     print(f"torch {torch.__version__}; machine: {machine()}")
     settings = Settings(device=args.device, dtype=torch.bfloat16, attn_backend=args.backend,
                         attn_backend_decode=args.backend, compile=args.compile)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     rows = []
 
-    pipe = CausvidPipeline.from_checkpoint(settings=settings, verbose=False)
     walk = ([0.0, 0.0], [1] + [0] * 10)
-    rows.append(row(f"default ({pipe.world.name}, window {pipe.window}) denoise+decode",
-                    timed(lambda: pipe(*walk), args.frames, args.warmup, sync)))
-    rows.append(row(f"default ({pipe.world.name}, window {pipe.window}) denoise only",
-                    timed(lambda: pipe.generate(*walk), args.frames, args.warmup, sync)))
-    rows += prefill_rows(f"default ({pipe.world.name}, window {pipe.window})", lambda: pipe.load_clip(0),
-                         args.prefill_rounds, sync)
+    for checkpoint in args.checkpoint or [None]:
+        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
+        name = f"{checkpoint or 'default'} ({pipe.world.name}, d_model {pipe.world.model.d_model}, window {pipe.window})"
+        rows.append(row(f"{name} denoise+decode", timed(lambda: pipe(*walk), args.frames, args.warmup, sync)))
+        rows.append(row(f"{name} denoise only", timed(lambda: pipe.generate(*walk), args.frames, args.warmup, sync)))
+        rows += prefill_rows(name, lambda: pipe.load_clip(0), args.prefill_rounds, sync)
 
     if not args.skip_prod:
         cfg = ModelConfig.from_mapping(PRODUCTION)
@@ -135,10 +136,10 @@ def main(argv=None):
         rows += prefill_rows(f"production-size (window {w})", lambda: prod.prefill(*history), args.prefill_rounds,
                              sync)
 
-    print(f"\n{'config':<72} {'FPS':>8} {'median ms':>10} {'p95 ms':>8}")
+    print(f"\n{'config':<100} {'FPS':>8} {'median ms':>10} {'p95 ms':>8}")
     for r in rows:
         ratio = f"  (one call / chunks: {r['one_call_over_chunks']:.2f}x)" if "one_call_over_chunks" in r else ""
-        print(f"{r['config']:<72} {r['fps']:>8.2f} {r['median_ms']:>10.1f} {r['p95_ms']:>8.1f}{ratio}")
+        print(f"{r['config']:<100} {r['fps']:>8.2f} {r['median_ms']:>10.1f} {r['p95_ms']:>8.1f}{ratio}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "machine": machine(), "rows": rows}, f, indent=2)

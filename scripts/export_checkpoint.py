@@ -22,7 +22,9 @@ from omegaconf import OmegaConf
 
 from owl_wms.config import SIM_KEYS, load_config
 from owl_wms.data import EPISODE_OPTIONS, episode_options, level_clip
-from owl_wms.training import WORLD_RECORD
+from owl_wms.loading import CheckpointError, load_weights
+from owl_wms.model import GameRFT
+from owl_wms.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD
 
 from .bench_pipeline import machine
 
@@ -197,7 +199,8 @@ def db(ev: dict, key: str) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/maze_world.yaml")
+    p.add_argument("--config", default=None,
+                   help="the world's config (default: the one its training record names, else " + DEFAULT_WORLD_CONFIG + ")")
     p.add_argument("--vae", default="work/vae/final")
     p.add_argument("--latents", default="work/latents")
     p.add_argument("--world", default="work/world")
@@ -220,6 +223,7 @@ def main(argv=None):
     if manifest and episode_options(manifest) != episodes:
         raise SystemExit(f"error: the latents in {args.latents} were encoded from episodes made with {episodes}, but "
                          f"{data_dir} holds episodes made with {episode_options(manifest)}; pass the --data they came from")
+    args.config = args.config or train.get("config", DEFAULT_WORLD_CONFIG)
     raw = OmegaConf.load(args.config)
     # the scale the model was trained with: the latents' own, or a fine-tune's --init world's
     raw.train.vae_scale = train.get("vae_scale", stats["vae_scale"])
@@ -232,6 +236,11 @@ def main(argv=None):
                          f"but the episodes in {data_dir} were made with "
                          f"{', '.join(f'--{k} {b}' for k, (_, b) in clash.items())}; fix the config or pass --data")
     raw.simulator = {**stated, **made}
+    state = torch.load(Path(args.world) / "ema_core.pt", weights_only=True)
+    try:  # before anything is written: a config unlike the weights would make a checkpoint that cannot load
+        load_weights(GameRFT(load_config(args.config).model), state, str(Path(args.world) / "ema_core.pt"))
+    except CheckpointError as exc:
+        raise SystemExit(f"error: --config {args.config}: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(
         f"# Written by scripts.export_checkpoint from {args.config} (train.vae_scale measured by scripts.encode_latents;\n"
@@ -240,9 +249,11 @@ def main(argv=None):
         + OmegaConf.to_yaml(raw))
     world = load_config(out / "config.yaml")
 
-    state = torch.load(Path(args.world) / "ema_core.pt", weights_only=True)
     # Shards of at most 16 MB (model-0000i-of-0000n.safetensors + model.safetensors.index.json,
     # the diffusers layout) keep every tracked file small; a small model stays one model.safetensors.
+    # An earlier export's weights go first: its shards would outlive a smaller model's single file.
+    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
     save_torch_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, out, max_shard_size=SHARD_BYTES,
                           metadata={"trained": "true"})
     # a fine-tune of this world cites it, with the episodes it learned from (MODEL.md's recipe and rows)

@@ -20,13 +20,13 @@ from tqdm import tqdm
 from owl_wms.config import load_config
 from owl_wms.loading import load_weights, read_state_dict
 from owl_wms.model import GameRFT
-from owl_wms.training import WORLD_RECORD, RunLog, load_training_state, save_training_state
+from owl_wms.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD, RunLog, load_training_state, save_training_state
 from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
 
 # Flags that change what is trained (not where it is read, written or run), so MODEL.md's
 # recipe repeats the ones a run set away from their defaults.
-RECIPE_FLAGS = ("frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "distill", "seed", "init",
+RECIPE_FLAGS = ("config", "frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "distill", "seed", "init",
                 "fp32", "compile")
 
 
@@ -48,7 +48,7 @@ def base_record(init: str) -> dict | None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/maze_world.yaml")
+    p.add_argument("--config", default=DEFAULT_WORLD_CONFIG)
     p.add_argument("--latents", default="work/latents")
     p.add_argument("--out", default="work/world")
     p.add_argument("--steps", type=int, default=3000)
@@ -141,7 +141,7 @@ def main(argv=None):
     torch.save(ema.core.state_dict(), out / "ema_core.pt")
     metrics_path.write_text(json.dumps({
         "steps": args.steps, "batch": args.batch, "frames": frames, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-        **clock.record(args.steps), "vae_scale": vae_scale, "init": args.init, "out": args.out,
+        **clock.record(args.steps), "vae_scale": vae_scale, "init": args.init, "out": args.out, "config": args.config,
         **({"base": base_record(args.init)} if args.init else {})}, indent=2))
     print(f"trained {args.steps} steps; EMA weights -> {out / 'ema_core.pt'}")
 

@@ -15,6 +15,7 @@ import torch
 from inference.actions import apply_event, load_actions, write_action_file
 from inference.causvid_pipeline import CausvidPipeline
 from inference.video import count_frames, read_frames
+from owl_wms.config import load_config
 
 from .conftest import REPO
 
@@ -278,3 +279,16 @@ def test_shipped_clips_record_their_level_so_the_simulator_plays_beside():
         model = pipe(None, None)[0].numpy()
         out = beside.frame(beside.step(pipe.last_controls), model)
         assert np.array_equal(out[:, :real.shape[2]], real[pipe.window + k])
+
+
+def test_bench_pipeline_measures_each_checkpoint_in_one_run(capsys):
+    from scripts import bench_pipeline
+
+    tiny, world = REPO / "checkpoints" / "untrained-tiny", REPO / "checkpoints" / "maze-world"
+    bench_pipeline.main(["--skip-prod", "--frames", "2", "--warmup", "1", "--prefill-rounds", "1",
+                         "--checkpoint", str(tiny), "--checkpoint", str(world)])
+    out = capsys.readouterr().out
+    d_model = load_config(world / "config.yaml").model.d_model
+    for name in (f"{tiny} (", f"{world} (maze-world, d_model {d_model}, window 32)"):
+        # denoise+decode, denoise only and 2 prefill rows, each as measured and in the table
+        assert out.count(name) == 8, out

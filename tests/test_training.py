@@ -184,6 +184,14 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
               "--clips", "2", "--future", "20"]
     export_checkpoint.main(export)
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
+    # the run records its config (so an export needs no --config); a config unlike the weights is
+    # refused before anything is written
+    assert json.loads((tmp_path / "world" / "train_metrics.json").read_text())["config"] == str(tmp_path / "tiny.yaml")
+    full = str(REPO / "configs" / "maze_world.yaml")
+    with pytest.raises(SystemExit, match=r"(?s)--config .*maze_world.yaml: checkpoint .*ema_core.pt does not match "
+                                         r"the model config:.*shape mismatch proj_in.weight: expected \[256, 32\]"):
+        export_checkpoint.main(["--config", full, *export[2:-6], "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
     assert card.count("|") > 10 and "3 episodes x 24 frames, explore policy, corridors 1 grid unit wide" in card
     # the checkpoint names the simulator its episodes came from; a config that says otherwise is refused
     assert load_config(tmp_path / "ckpt" / "config.yaml").simulator == {"corridor": 1}
@@ -201,7 +209,10 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     # the VAE's training record travels with it, so the checkpoint's vae/ can be a later --vae,
     # also when re-exporting into the same checkpoint
     assert (tmp_path / "ckpt" / "vae" / "metrics.json").read_text() == vae_record
+    for stale in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):  # a bigger world's shards
+        (tmp_path / "ckpt" / stale).write_text("{}")
     export_checkpoint.main([*export[:2], "--vae", str(tmp_path / "ckpt" / "vae"), *export[4:]])
+    assert sorted(f.name for f in (tmp_path / "ckpt").glob("model*")) == ["model.safetensors"]
     assert (tmp_path / "ckpt" / "vae" / "metrics.json").read_text() == vae_record
     assert card == (tmp_path / "ckpt" / "MODEL.md").read_text()
     pipe = CausvidPipeline.from_checkpoint(tmp_path / "ckpt", verbose=False)
@@ -243,14 +254,14 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     base = dict(record["base"])
     assert base.pop("data")["options"] == {"policy": "explore", "corridor": 1}
     assert base == json.loads((tmp_path / "world" / "train_metrics.json").read_text())
-    export_checkpoint.main([*export[:6], "--world", str(tmp_path / "ft"), "--out", str(tmp_path / "ckpt_ft"),
-                            *export[-4:]])
+    export_checkpoint.main([*export[2:6], "--world", str(tmp_path / "ft"), "--out", str(tmp_path / "ckpt_ft"),
+                            *export[-4:]])  # no --config: the fine-tune's record names it
     recipe = [line.split("#")[0].strip() for line in (tmp_path / "ckpt_ft" / "MODEL.md").read_text().splitlines()
               if "scripts.train_world" in line or "scripts.export_checkpoint" in line]
-    assert recipe[0].endswith(f"--out {tmp_path / 'world'} --batch 2 --steps 2")
+    assert recipe[0].endswith(f"--out {tmp_path / 'world'} --batch 2 --steps 2 --config {tmp_path / 'tiny.yaml'}")
     assert recipe[3].endswith(f"--world {tmp_path / 'world'} --out {tmp_path / 'ckpt'}")  # the base's export
     assert recipe[4] == (f"python -m scripts.train_world --out {tmp_path / 'ft'} --batch 2 --steps 1 "
-                         f"--self-history 1 --init {tmp_path / 'ckpt'}")
+                         f"--config {tmp_path / 'tiny.yaml'} --self-history 1 --init {tmp_path / 'ckpt'}")
     assert recipe[5].endswith(f"--world {tmp_path / 'ft'}")
     assert "; then 1 steps of fine-tuning x batch 2" in (tmp_path / "ckpt_ft" / "MODEL.md").read_text()
 
@@ -392,6 +403,8 @@ def test_train_world_records_the_recipe_flags_it_was_given():
     assert recipe_options(p, p.parse_args(["--out", "elsewhere", "--device", "cpu", "--save-every", "5"])) == ""
     assert recipe_options(p, p.parse_args(["--target-frac", "0.5", "--compile", "--lr", "3e-4", "--ema", "0.98"])) == \
         "--lr 0.0003 --ema 0.98 --target-frac 0.5 --compile"
+    assert recipe_options(p, p.parse_args(["--config", "configs/maze_world_d128.yaml", "--compile"])) == \
+        "--config configs/maze_world_d128.yaml --compile"  # the model's shape is part of the recipe
 
 
 def test_vae_training_lowers_the_loss():

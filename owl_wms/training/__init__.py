@@ -5,6 +5,8 @@ import time
 # A checkpoint's record of its world model's training (scripts.train_world's metrics, written
 # by scripts.export_checkpoint), so a fine-tune of it can say in MODEL.md how it was made.
 WORLD_RECORD = "world_training.json"
+# the world model train_world builds unless --config names another (its record then names it)
+DEFAULT_WORLD_CONFIG = "configs/maze_world.yaml"
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int):
