@@ -1,7 +1,9 @@
 """Stage 5: assemble a shippable checkpoint folder from the training outputs.
 
-    python -m scripts.export_checkpoint --config configs/maze_world.yaml --vae work/vae/final \\
-        --latents work/latents --world work/world --out checkpoints/maze-world [--eval eval/eval.json]
+    python -m scripts.export_checkpoint --vae work/vae/final --latents work/latents --world work/world \\
+        --out checkpoints/maze-world [--config C] [--eval eval/eval.json]
+
+The model config defaults to the one the world's training record names (train_world keeps it).
 
 Writes config.yaml (with the measured vae_scale), the EMA weights in bf16 (model.safetensors,
 or 16 MB shards with model.safetensors.index.json),
