@@ -25,8 +25,9 @@ import time
 
 import torch
 
-from owl_wms.cache import build_cache
+from owl_wms.cache import StaticCache, build_cache
 from owl_wms.config import ModelConfig
+from owl_wms.quant import Fused
 from owl_wms.settings import Settings
 
 from .bench_pipeline import PRODUCTION, machine
@@ -76,20 +77,59 @@ class CacheFrames:
         self.new = [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4)]
         self.count = 0
 
-    def frame(self) -> float:
+    def work(self):
         f, cache, layers = self.count, self.cache, range(self.cfg.n_layers)
         self.count += 1
         k1, k2 = self.new[f % 4], self.new[(f + 1) % 4]
-        self.sync()
-        t0 = time.perf_counter()
         cache.disable_cache_updates()
         for layer in layers:
             cache.attend_window(layer, k1, k1)
         cache.enable_cache_updates()
         for layer in layers:
             cache.attend_window(layer, k2, k2)
+
+    def frame(self) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        self.work()
         self.sync()
         return time.perf_counter() - t0
+
+    def capture(self):
+        """One steady-state frame's cache work as a CUDA graph, so that its replay costs what
+        the kernels cost, without Python or launch overhead. First a full ring of frames
+        (every write slot and gather index exists, every kernel is compiled), then a warm-up on
+        a side stream, as torch.cuda.graph asks. A replay redoes the captured frame (the same
+        slot, the same bytes): bookkeeping on the host does not advance, the work does not change."""
+        for _ in range(self.cache.max_frames + 1):
+            self.work()
+        # the tensors the capture reads stay alive: a roll rebinds its buffers, the graph keeps their addresses
+        cache = self.cache
+        self.inputs = ([*cache.k, *cache.v] if isinstance(cache, StaticCache) else
+                       [b for store in cache.stores.values() for b in store.bufs.values()])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.work()
+        torch.cuda.current_stream().wait_stream(side)
+        fused_before = Fused.unavailable
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.work()
+        if Fused.unavailable != fused_before:  # a compiled kernel failed under capture and fell back to eager
+            reason, Fused.unavailable = Fused.unavailable, fused_before  # the later modes keep their kernels
+            raise RuntimeError(f"a compiled KV kernel failed under capture: {reason}")
+        self.graph.replay()
+
+    def replay(self, reps: int) -> float:
+        """Seconds per replay of the captured frame, over ``reps`` replays back to back."""
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            self.graph.replay()
+        self.sync()
+        return (time.perf_counter() - t0) / reps
 
 
 def cache_cost(mode: CacheFrames, base: CacheFrames, frames: int) -> tuple[float, float]:
@@ -103,6 +143,20 @@ def cache_cost(mode: CacheFrames, base: CacheFrames, frames: int) -> tuple[float
         b, m = base.frame(), mode.frame()
         times.append(m)
         ratios.append(m / b)
+    return statistics.median(times) * 1000, statistics.median(ratios)
+
+
+def graph_cost(mode: CacheFrames, base: CacheFrames, frames: int, reps: int = 20) -> tuple[float, float]:
+    """As ``cache_cost``, for the captured frames (``CacheFrames.capture``): each sample is the
+    mean of ``reps`` replays, alternating with as many replays of the captured bf16 roll."""
+    mode.capture()
+    times, ratios = [], []
+    for i in range(frames + 2):
+        b, m = base.replay(reps), mode.replay(reps)
+        if i >= 2:
+            times.append(m)
+            ratios.append(m / b)
+    del mode.graph
     return statistics.median(times) * 1000, statistics.median(ratios)
 
 
@@ -175,6 +229,15 @@ def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool
     return rows
 
 
+def ratio_table(results: list[dict], key: str):
+    """Codec rows x layout columns of ``key``, eager / compiled in a cell."""
+    print(f"{'codec':<12}" + "".join(f"{lay:>16}" for lay in LAYOUTS))
+    for codec in CODECS:
+        cells = [" / ".join(f"{r[key]:.3f}" if key in r else "-" for r in results if r["codec"] == codec and r["layout"] == lay)
+                 for lay in LAYOUTS]
+        print(f"{codec:<12}" + "".join(f"{c:>16}" for c in cells))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=12, help="measured frames per cache mode")
@@ -184,9 +247,13 @@ def main(argv=None):
     p.add_argument("--checkpoint", default=None, help="world for the v0-v4 matrix (default: the shipped one)")
     p.add_argument("--matrix-frames", type=int, default=48)
     p.add_argument("--decode", action="store_true", help="also time each codec's decode of one layer's window")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time each mode's frame captured as a CUDA graph (kernels only: no Python or launch cost)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.cuda_graph and not args.device.startswith("cuda"):
+        p.error(f"--cuda-graph captures CUDA graphs; --device {args.device} has none (use --device cuda)")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     cfg = ModelConfig.from_mapping({**PRODUCTION, "n_frames": WINDOW})
     print(f"command: python -m scripts.bench_kv {' '.join(sys.argv[1:])}".rstrip())
@@ -196,6 +263,9 @@ def main(argv=None):
           f"local window {cfg.local_window}")
 
     base = CacheFrames(cfg, "roll", CODECS["bf16"], args.device, dtype, sync)
+    if args.cuda_graph:
+        graph_base = CacheFrames(cfg, "roll", CODECS["bf16"], args.device, dtype, sync)
+        graph_base.capture()
     results = []
     for codec, env in CODECS.items():
         for layout in LAYOUTS:
@@ -204,23 +274,30 @@ def main(argv=None):
                     torch._dynamo.reset()
                 mode = CacheFrames(cfg, layout, env, args.device, dtype, sync, compiled)
                 ms, ratio = cache_cost(mode, base, args.frames)
-                results.append({"codec": codec, "layout": layout, "compiled": compiled, "ms": ms, "ratio": ratio,
-                                "bytes": mode.cache.nbytes()})
+                row = {"codec": codec, "layout": layout, "compiled": compiled, "ms": ms, "ratio": ratio,
+                       "bytes": mode.cache.nbytes()}
+                graph = ""
+                if args.cuda_graph:
+                    try:
+                        row["graph_ms"], row["graph_ratio"] = graph_cost(mode, graph_base, args.frames)
+                        graph = f"; CUDA graph {row['graph_ms']:.3f} ms ({row['graph_ratio']:.3f}x)"
+                    except Exception as e:  # noqa: BLE001 - one mode that cannot be captured spoils no other row
+                        row["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                        graph = f"; CUDA graph failed: {row['graph_error']}"
+                results.append(row)
                 print(f"  measured {codec:<11} {layout:<8} {'compiled' if compiled else 'eager':<8} {ms:8.2f} ms/frame "
-                      f"({ratio:.3f}x bf16 roll)  {results[-1]['bytes'] / 2**20:8.1f} MiB", flush=True)
+                      f"({ratio:.3f}x bf16 roll)  {row['bytes'] / 2**20:8.1f} MiB{graph}", flush=True)
                 del mode
                 gc.collect()
     ref = next(r for r in results if r["codec"] == "bf16" and r["layout"] == "roll")
     print(f"\nPer-frame cache cost (both steps, all layers) as the median ratio to bf16 roll over frames "
           f"alternating with it ({ref['ms']:.2f} ms); lower is cheaper. Eager / compiled encode+decode "
           "(the kernels OWL_COMPILE=1 uses)")
-    print(f"{'codec':<12}" + "".join(f"{lay:>16}" for lay in LAYOUTS))
-    for codec in CODECS:
-        cells = []
-        for lay in LAYOUTS:
-            ratios = [r["ratio"] for r in results if r["codec"] == codec and r["layout"] == lay]
-            cells.append(" / ".join(f"{x:.3f}" for x in ratios))
-        print(f"{codec:<12}" + "".join(f"{c:>16}" for c in cells))
+    ratio_table(results, "ratio")
+    if args.cuda_graph:
+        print(f"\nThe same frames captured as CUDA graphs (kernels only: no Python or launch cost), as the "
+              f"median ratio to the captured bf16 roll ({ref['graph_ms']:.3f} ms); eager / compiled")
+        ratio_table(results, "graph_ratio")
     print(f"\nMemory (nbytes: data + scales), ratio to bf16 roll = {ref['bytes'] / 2**20:.1f} MiB")
     print(f"{'codec':<12}" + "".join(f"{lay:>12}" for lay in ("roll", "pointer", "inplace")))
     for codec in CODECS:

@@ -498,3 +498,39 @@ def test_environment_codec_flags_replace_the_config_codec_as_a_group():
     s = Settings.resolve(config, {"OWL_FP8_KV": "1", "OWL_K_FP8": "0"}).kv
     assert (s.fmt_k, s.fmt_v, s.ring_mode) == ("bf16", "fp8_e4m3", "inplace")
     assert Settings.resolve(config, {}).kv.fmt_v == "int8"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device (run on a GPU machine)"))])
+def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
+    """bench_kv's sample is the cache work of one generated frame (one write per owner layer);
+    on CUDA that frame, captured as a graph, replays the same bytes into the same slots, and
+    without CUDA ``--cuda-graph`` is refused with the reason."""
+    from scripts import bench_kv
+
+    cfg = tiny_config(n_layers=2, local_idx=2)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    base, mode = (bench_kv.CacheFrames(cfg, layout, env, device, torch.bfloat16, sync)
+                  for layout, env in (("roll", {}), ("inplace", {"OWL_KV_STORAGE": "int8"})))
+    ms, ratio = bench_kv.cache_cost(mode, base, 3)
+    assert ms > 0 and ratio > 0
+    assert [s.written for s in mode.cache.stores.values()] == [bench_kv.WINDOW + 2 + 3] * cfg.n_layers
+    if device == "cpu":
+        with pytest.raises(SystemExit):
+            bench_kv.main(["--cuda-graph"])
+        assert "--device cpu has none (use --device cuda)" in capsys.readouterr().err
+        return
+    base.capture()
+    ms, ratio = bench_kv.graph_cost(mode, base, 2)
+    assert ms > 0 and ratio > 0
+    mode.capture()
+    stores = mode.cache.stores.values()
+    captured = [{n: b.clone() for n, b in s.bufs.items()} for s in stores]
+    for s in stores:
+        for b in s.bufs.values():
+            b.zero_()
+    mode.replay(1)  # the captured frame writes its slot again, from the graph alone
+    for s, before in zip(stores, captured):
+        slot = (s.written - 1) % s.capacity
+        for n, b in s.bufs.items():
+            assert torch.equal(b[:, :, slot].view(torch.uint8), before[n][:, :, slot].view(torch.uint8)), n
