@@ -3,9 +3,11 @@
 #
 #     OUT=gpu_results bash scripts/device_check.sh
 #
-# 1. the CUDA half of the KV tests (fused inplace step vs the eager ring, bit for bit);
-# 2. bench_kv --device cuda: per-frame cache cost of every layout x codec as ratios to bf16
-#    roll, memory, the v0-v4 matrix on the shipped world;
+# 1. the CUDA half of the KV tests (fused inplace step vs the eager ring, bit for bit; bench_kv's
+#    frame captured as a CUDA graph rewrites its slot on replay);
+# 2. bench_kv --device cuda --cuda-graph: per-frame cache cost of every layout x codec as ratios
+#    to bf16 roll, as launched and as captured CUDA graphs (kernels only), memory, the v0-v4
+#    matrix on the shipped world;
 # 3. the training chain's --device cuda path on a tiny data set (generate, train_vae, encode,
 #    train_world), so the stages that take --device are known to run there;
 # 4. bench_compile --device cuda: eager vs OWL_COMPILE=1 per cache mode, and recompiles
