@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from owl_wms.cache import StaticCache, build_cache
+from owl_wms.cache import build_cache
 from owl_wms.config import ModelConfig
 from owl_wms.quant import Fused
 from owl_wms.settings import Settings
@@ -58,6 +58,25 @@ def kv_settings(env: dict) -> Settings:
 def make_cache(cfg: ModelConfig, layout: str, env: dict, device, dtype, compiled: bool = False):
     settings = kv_settings({**env, "OWL_RING_MODE": layout}).replace(device=device, dtype=dtype, compile=compiled)
     return build_cache(cfg, settings, WINDOW)
+
+
+def held_tensors(obj, seen: set | None = None) -> list[torch.Tensor]:
+    """Every tensor an owl_wms object holds, through its attributes, lists, tuples and dicts."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif type(obj).__module__.startswith("owl_wms") and hasattr(obj, "__dict__"):
+        items = vars(obj).values()
+    else:
+        return []
+    return [t for x in list(items) for t in held_tensors(x, seen)]
 
 
 class CacheFrames:
@@ -103,10 +122,6 @@ class CacheFrames:
         slot, the same bytes): bookkeeping on the host does not advance, the work does not change."""
         for _ in range(self.cache.max_frames + 1):
             self.work()
-        # the tensors the capture reads stay alive: a roll rebinds its buffers, the graph keeps their addresses
-        cache = self.cache
-        self.inputs = ([*cache.k, *cache.v] if isinstance(cache, StaticCache) else
-                       [b for store in cache.stores.values() for b in store.bufs.values()])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -114,6 +129,9 @@ class CacheFrames:
                 self.work()
         torch.cuda.current_stream().wait_stream(side)
         fused_before = Fused.unavailable
+        # Every tensor the cache holds now stays alive with the graph, which reads their addresses on
+        # each replay: the capture rebinds some (a roll's buffers, a quantizer's tally) to new ones.
+        self.inputs = held_tensors(self.cache)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.work()
