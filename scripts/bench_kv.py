@@ -1,13 +1,15 @@
 """What each KV cache mode costs and saves, measured side by side in one run.
 
-    python -m scripts.bench_kv [--frames 12] [--device cpu] [--skip-matrix] [--json out.json]
+    python -m scripts.bench_kv [--frames 12] [--device cpu] [--cuda-graph] [--skip-matrix] [--json out.json]
 
 1. Cache cost per frame at production shapes (16 layers with 4 global, 24 heads, head dim 64,
    60-frame window, 64 tokens/frame, local window 16): the cache work of one generated frame,
    i.e. the read-only step 1 and the writing step 2 over every layer (encode, write, read,
    dequantize), on synthetic K/V, for every layout x codec, with eager code and with the
    compiled encode/decode kernels that OWL_COMPILE=1 uses. Reported as ratios to bf16 roll,
-   each the median over frames that alternate with a live bf16 roll cache.
+   each the median over frames that alternate with a live bf16 roll cache. With ``--cuda-graph``
+   (CUDA only), each mode's frame is also captured as a CUDA graph and timed by replay against
+   the captured bf16 roll: what the kernels cost without Python or launch overhead.
 2. Memory at the same shapes from ``cache.nbytes()`` (data + scales), as ratios to bf16 roll.
 3. The v0-v4 matrix of the original KV-cache notes on the shipped world (real pipeline,
    denoise + decode): no cache, bf16 cache, int8 cache, cross-layer sharing, int8 + sharing.

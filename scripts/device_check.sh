@@ -45,7 +45,7 @@ nvidia-smi -L
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
 
 step tests 90 $PY -m pytest -q -p no:cacheprovider tests/test_kv_quant.py -k cuda
-step bench_kv 270 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 10 --matrix-frames 32 --json "$OUT/bench_kv.json"
+step bench_kv 360 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 10 --matrix-frames 32 --json "$OUT/bench_kv.json"
 tmp=$(mktemp -d)
 step chain 70 bash -c "set -e
     $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
