@@ -515,6 +515,11 @@ def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
     ms, ratio = bench_kv.cache_cost(mode, base, 3)
     assert ms > 0 and ratio > 0
     assert [s.written for s in mode.cache.stores.values()] == [bench_kv.WINDOW + 2 + 3] * cfg.n_layers
+    # what a capture keeps alive: every buffer and every quantizer's tally (both rebound by a frame)
+    held = {id(t) for t in bench_kv.held_tensors(mode.cache)}
+    tallies = [q.tally for pair in mode.cache.quant.values() for q in pair if q.quantized]
+    assert tallies and all(torch.is_tensor(t) and id(t) in held for t in tallies)
+    assert all(id(b) in held for s in mode.cache.stores.values() for b in s.bufs.values())
     if device == "cpu":
         with pytest.raises(SystemExit):
             bench_kv.main(["--cuda-graph"])
