@@ -87,19 +87,27 @@ def rollout_sheet(rows: list[tuple[np.ndarray, ...]], every: int, gap: int = 2) 
     return np.concatenate(blocks[:-1])
 
 
+def observe_frame(pipe, frame: np.ndarray, mouse, buttons):
+    """Teacher forcing: a real uint8 frame (encoded) enters the history with its actions."""
+    pipe.observe(pipe.decoder.encode_uint8(frame[None])[None] / pipe.vae_scale, mouse, buttons)
+
+
 def observe_real(pipe, ep: Episode, k: int):
-    """Teacher forcing: the real future frame k (encoded) enters the history with its actions."""
-    real, m, b = ep.future(k)
-    pipe.observe(pipe.decoder.encode_uint8(real[None])[None] / pipe.vae_scale, m, b)
+    """The episode's real future frame k enters the history."""
+    observe_frame(pipe, *ep.future(k))
 
 
-def teacher_forced(pipe, ep: Episode, n: int) -> list[tuple[float, float]]:
+def teacher_forced(pipe, ep: Episode, n: int, frames: list | None = None) -> list[tuple[float, float]]:
+    """Metrics of each next frame 1..n predicted from the real history; ``frames``, when given,
+    receives the predicted uint8 frames."""
     pipe.load_clip(ep.clip)
     out = []
     for k in range(n):
         real, m, b = ep.future(k)
         frame = pipe.decode(pipe.generate(m, b, commit=False)).numpy()
         out.append(frame_metrics(frame, real))
+        if frames is not None:
+            frames.append(frame)
         observe_real(pipe, ep, k)
     return out
 
@@ -200,18 +208,26 @@ def held_controls_psnr(pipe, ep: Episode, mouse: list[float], buttons: list[floa
     return [frame_metrics(pipe(mouse, buttons)[0].numpy(), sim.step(mouse, buttons))[0] for _ in range(n)]
 
 
-def turn_following(pipe, ep: Episode, dx: float, n: int, frames: list | None = None) -> tuple[float, float]:
-    """Mean horizontal shift per frame (columns, signed by the turn) of the model's and of the
-    simulator's frames over ``n`` frames of walking forward (W) with mouse x held at ``dx`` from
-    the episode's real history. ``frames``, when given, receives (simulator's, model's) frames
-    [n, H, W, 3] after the last real one."""
+def turn_following(pipe, ep: Episode, dx: float, n: int, frames: list | None = None) -> tuple[float, float, float]:
+    """Mean horizontal shift per frame (columns, signed by the turn) over ``n`` frames of walking
+    forward (W) with mouse x held at ``dx`` from the episode's real history: of the model's
+    autoregressive frames, of the simulator's, and of the model's teacher-forced frames (each
+    predicted from the simulator's frames so far, shift measured from the last of them: the
+    turn the model makes in one step, before its own frames feed back). ``frames``, when given,
+    receives (simulator's, teacher-forced, autoregressive) frames [n, H, W, 3] after the last real one."""
     mouse, buttons = [float(dx), 0.0], [1.0] + [0.0] * 10
     sim = replay(ep, ep.window)
     real = [ep.frames[ep.window - 1]] + [sim.step(mouse, buttons) for _ in range(n)]
     pipe.load_clip(ep.clip)
     made = [ep.frames[ep.window - 1]] + [pipe(mouse, buttons)[0].numpy() for _ in range(n)]
+    pipe.load_clip(ep.clip)
+    forced = []
+    for frame in real[1:]:
+        forced.append(pipe.decode(pipe.generate(mouse, buttons, commit=False)).numpy())
+        observe_frame(pipe, frame, mouse, buttons)
     if frames is not None:
-        frames.append((np.stack(real[1:]), np.stack(made[1:])))
+        frames.append((np.stack(real[1:]), np.stack(forced), np.stack(made[1:])))
     sign = float(np.sign(dx))
-    mean_shift = lambda fs: sign * float(np.mean([horizontal_shift(a, b) for a, b in zip(fs[:-1], fs[1:])]))  # noqa: E731
-    return mean_shift(made), mean_shift(real)
+    mean_shift = lambda pairs: sign * float(np.mean([horizontal_shift(a, b) for a, b in pairs]))  # noqa: E731
+    return (mean_shift(zip(made[:-1], made[1:])), mean_shift(zip(real[:-1], real[1:])),
+            mean_shift(zip(real[:-1], forced)))

@@ -2,9 +2,12 @@
 
     python -m scripts.eval_world [--checkpoint checkpoints/<world>] [--episodes 8] [--out eval/]
 
-Writes eval.json, psnr_curve.png, rollouts.png (the first --sheet-episodes autoregressive
-rollouts, every --sheet-every frames: the simulator's frames above the model's) and turns.png
-(the same levels walked forward under the turn diagnostic's held turns, right then left).
+Writes eval.json, psnr_curve.png, rollouts.png (the first --sheet-episodes levels, every
+--sheet-every frames: the simulator's frames, the model's teacher-forced predictions from the
+real frames so far, and its autoregressive rollout, one row each) and turns.png (the same rows
+for those levels walked forward under the turn diagnostic's held turns, right then left). A
+sharp teacher-forced row over a blurred rollout says the model knows the next frame but drifts
+on its own frames.
 
 Teacher-forced next-frame PSNR/SSIM, autoregressive PSNR/SSIM per frame index, the action
 sensitivity gap (true actions minus another episode's, over --gap-range), and optionally
@@ -58,7 +61,7 @@ def main(argv=None):
                    help="frames of the at-rest diagnostic: walking forward with the mouse exactly at rest, (0, 0), "
                         "and barely moving, (0.3, 0.1)")
     p.add_argument("--sheet-episodes", type=int, default=4,
-                   help="episodes shown in rollouts.png (simulator above model, autoregressive)")
+                   help="episodes shown in rollouts.png and turns.png (simulator, teacher-forced, autoregressive)")
     p.add_argument("--sheet-every", type=int, default=4, help="frame step between rollouts.png columns")
     p.add_argument("--euler-steps", type=int, default=0, help="also score an N-step Euler sampler (0: skip)")
     p.add_argument("--schedule", type=float, nargs="+", default=None,
@@ -84,9 +87,12 @@ def main(argv=None):
         foreign = eps[(i + 1) % len(eps)]
         predicted = []
         ar.append(autoregressive(pipe, ep, n_ar, frames=predicted))
-        if i < args.sheet_episodes:
-            sheet.append((ep.frames[ep.window:ep.window + n_ar], np.stack(predicted)))
-        tf.append(teacher_forced(pipe, ep, args.tf_frames))
+        if i < args.sheet_episodes:  # the sheet's teacher-forced row spans the rollout's frames
+            forced = []
+            tf.append(teacher_forced(pipe, ep, max(n_ar, args.tf_frames), frames=forced)[:args.tf_frames])
+            sheet.append((ep.frames[ep.window:ep.window + n_ar], np.stack(forced[:n_ar]), np.stack(predicted)))
+        else:
+            tf.append(teacher_forced(pipe, ep, args.tf_frames))
         other.append(autoregressive(pipe, ep, hi, actions=foreign))
         response.append(action_response(pipe, ep, foreign, args.tf_frames))
         sim.append(simulator_responses(ep, foreign, args.tf_frames, (lo, hi)))
@@ -130,17 +136,21 @@ def main(argv=None):
         "sim_previous_action_psnr": float(np.median([x for r in sim for x in r["previous_action"]])),
         "sim_foreign_action_psnr": float(np.median([x for r in sim for x in r["foreign_action"]])),
         "sim_foreign_rollout_psnr_gap_range": float(np.mean([r["foreign_rollout"] for r in sim])),
-        # turning: columns per frame the view slides under a held mouse x, model and simulator
-        "turn_shift_model": float(np.mean([m for m, _ in turns])),
-        "turn_shift_sim": float(np.mean([r for _, r in turns])),
+        # turning: columns per frame the view slides under a held mouse x: the model's rollout,
+        # the simulator, and the model's one step from the simulator's frames (teacher-forced)
+        "turn_shift_model": float(np.mean([m for m, _, _ in turns])),
+        "turn_shift_sim": float(np.mean([r for _, r, _ in turns])),
+        "turn_shift_teacher_forced": float(np.mean([f for _, _, f in turns])),
         "turn_dx": args.turn_dx, "turn_frames": args.turn_frames,
         # walking forward from the real history with the mouse at rest, exactly (0, 0), as scripts and a
         # resting player send it, and barely moving: a world that never saw a mouse at rest does worse
         **({"rest_walk_psnr": float(np.mean(rest)), "nudged_walk_psnr": float(np.mean(nudged)),
             "rest_frames": args.rest_frames} if args.rest_frames else {}),
         "sheet_every": args.sheet_every, "turn_sheet_every": max(1, args.sheet_every // 2),
+        "sheet_rows": ["simulator", "teacher-forced", "autoregressive"],
     }
     report["turn_following"] = report["turn_shift_model"] / report["turn_shift_sim"]
+    report["turn_following_teacher_forced"] = report["turn_shift_teacher_forced"] / report["turn_shift_sim"]
     if euler:
         report[f"teacher_forced_psnr_euler{args.euler_steps}"] = float(np.mean([x[0] for r in euler for x in r]))
     (out / "eval.json").write_text(json.dumps(report, indent=2))
@@ -170,7 +180,8 @@ def main(argv=None):
           f"simulator: previous action {report['sim_previous_action_psnr']:.2f} dB, foreign action "
           f"{report['sim_foreign_action_psnr']:.2f} dB, foreign rollout {report['sim_foreign_rollout_psnr_gap_range']:.2f} dB "
           f"(model, true actions: {true_gap:.2f} dB); turn following {report['turn_following']:.2f} "
-          f"({report['turn_shift_model']:.2f} of the simulator's {report['turn_shift_sim']:.2f} columns/frame); "
+          f"({report['turn_shift_model']:.2f} of the simulator's {report['turn_shift_sim']:.2f} columns/frame), "
+          f"teacher-forced {report['turn_following_teacher_forced']:.2f}; "
           + (f"walking with the mouse at rest {report['rest_walk_psnr']:.2f} dB, barely moving "
              f"{report['nudged_walk_psnr']:.2f} dB" if args.rest_frames else "at-rest diagnostic skipped (--rest-frames 0)")
           + f" -> {out}")

@@ -323,7 +323,9 @@ def main(argv=None):
                   *([f"| diagnostic: turn following, the model's view slide under a held turn (mouse "
                      f"{ev['turn_dx']:+g}, then {-ev['turn_dx']:+g}) as a share of the simulator's | "
                      f"{ev['turn_following']:.2f} ({ev['turn_shift_model']:.2f} vs {ev['turn_shift_sim']:.2f} "
-                     "columns/frame) |"] if "turn_following" in ev else []),
+                     "columns/frame)"
+                     + (f"; one step from the simulator's frames (teacher-forced) {ev['turn_following_teacher_forced']:.2f}"
+                        if "turn_following_teacher_forced" in ev else "") + " |"] if "turn_following" in ev else []),
                   *([f"| diagnostic: walking forward from the real history with the mouse at rest, exactly (0, 0), "
                      f"against barely moving, (0.3, 0.1), PSNR vs simulator over {ev['rest_frames']} frames | "
                      f"{ev['rest_walk_psnr']:.2f} dB against {ev['nudged_walk_psnr']:.2f} dB |"]
@@ -334,15 +336,17 @@ def main(argv=None):
         curve, sheet, turns = (Path(args.eval).with_name(n) for n in ("psnr_curve.png", "rollouts.png", "turns.png"))
         if curve.is_file():
             shutil.copyfile(curve, out / "eval_curve.png")
+        rows = (", ".join(ev["sheet_rows"]) + ", one row each, top to bottom") if "sheet_rows" in ev \
+            else "simulator above, model below"  # an evaluation from before the teacher-forced row
         if sheet.is_file():
             shutil.copyfile(sheet, out / "eval_rollouts.png")
-            lines += [f"Autoregressive rollouts of the first held-out levels, one frame in "
-                      f"{ev.get('sheet_every', 4)} (simulator above, model below): `eval_rollouts.png`."]
+            lines += [f"Rollouts of the first held-out levels, one frame in "
+                      f"{ev.get('sheet_every', 4)} ({rows}): `eval_rollouts.png`."]
         if turns.is_file():
             shutil.copyfile(turns, out / "eval_turns.png")
             lines += [f"The turn diagnostic on the same levels, walking forward with the mouse held at "
                       f"{ev['turn_dx']:+g} and then {-ev['turn_dx']:+g} ({ev.get('turn_frames', 16)} frames each, "
-                      f"one in {ev['turn_sheet_every']}; simulator above, model below): `eval_turns.png`."]
+                      f"one in {ev['turn_sheet_every']}; {rows}): `eval_turns.png`."]
     (out / "MODEL.md").write_text("\n".join(lines) + "\n")
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     print(f"exported {out} ({size_mb:.1f} MB)")

@@ -34,7 +34,8 @@ def test_eval_command_on_two_short_episodes(tmp_path):
                                                   "teacher_forced_psnr_euler3", "copy_previous_psnr",
                                                   "action_response_psnr", "sim_previous_action_psnr",
                                                   "sim_foreign_action_psnr", "sim_foreign_rollout_psnr_gap_range",
-                                                  "turn_following", "turn_shift_model", "rest_walk_psnr",
+                                                  "turn_following", "turn_shift_model", "turn_following_teacher_forced",
+                                                  "rest_walk_psnr",
                                                   "nudged_walk_psnr"))
     assert report["rest_walk_psnr"] != report["nudged_walk_psnr"]  # the two mice are two inputs
     assert report["turn_shift_sim"] > 0.5  # the simulator's view slides under a held turn
@@ -49,11 +50,20 @@ def test_eval_command_on_two_short_episodes(tmp_path):
     assert (tmp_path / "psnr_curve.png").stat().st_size > 1000
     import matplotlib.image
 
-    sheet = matplotlib.image.imread(tmp_path / "rollouts.png")  # 2 episodes x (simulator, model), frames 1 and 5
-    assert sheet.shape[:2] == (2 * 2 * 64 + 2, 2 * 64)
-    # turns.png: 2 episodes x 2 turns x (simulator, model), frames 1, 3, ... of the 16 per turn
+    # 2 episodes x (simulator, teacher-forced, autoregressive), frames 1 and 5: the teacher-forced
+    # row spans the rollout's 5 frames though the teacher-forced figures use 3
+    sheet = matplotlib.image.imread(tmp_path / "rollouts.png")
+    assert sheet.shape[:2] == (2 * 3 * 64 + 2, 2 * 64)
+    assert report["sheet_rows"] == ["simulator", "teacher-forced", "autoregressive"]
+    # frame 1 comes from the same real history and noise in both model rows; frame 5 does not
+    tf_row, ar_row = sheet[64:128], sheet[128:192]
+    assert np.array_equal(tf_row[:, :64], ar_row[:, :64]) and not np.array_equal(tf_row[:, 64:], ar_row[:, 64:])
+    # turns.png: 2 episodes x 2 turns x the same rows, frames 1, 3, ... of the 16 per turn
     turns = matplotlib.image.imread(tmp_path / "turns.png")
-    assert turns.shape[:2] == (4 * 2 * 64 + 3 * 2, 8 * 64)
+    assert turns.shape[:2] == (4 * 3 * 64 + 3 * 2, 8 * 64)
+    # one step from the simulator's frames, the shipped world turns the view the simulator's way
+    assert report["turn_shift_teacher_forced"] > 0
+    assert report["turn_following_teacher_forced"] == report["turn_shift_teacher_forced"] / report["turn_shift_sim"]
 
 
 def test_eval_scores_the_schedule_it_is_given(tmp_path):

@@ -282,8 +282,9 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert "frame 16 | not measured" in card  # a 3-frame evaluation has no frame 16
     assert "`eval_rollouts.png`" in card and (tmp_path / "ckpt" / "eval_rollouts.png").is_file()
     assert "`eval_turns.png`" in card and (tmp_path / "ckpt" / "eval_turns.png").is_file()
-    assert f"one in {report['turn_sheet_every']}; simulator above" in card
+    assert f"one in {report['turn_sheet_every']}; simulator, teacher-forced, autoregressive, one row each" in card
     assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
+    assert f"(teacher-forced) {report['turn_following_teacher_forced']:.2f} |" in card
     assert f"| {report['rest_walk_psnr']:.2f} dB against {report['nudged_walk_psnr']:.2f} dB |" in card
     with pytest.raises(SystemExit, match="holds a model unlike"):
         train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
