@@ -286,6 +286,12 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
     assert f"(teacher-forced) {report['turn_following_teacher_forced']:.2f} |" in card
     assert f"| {report['rest_walk_psnr']:.2f} dB against {report['nudged_walk_psnr']:.2f} dB |" in card
+    # an evaluation from before the teacher-forced row (the shipped MODEL.md's) keeps its wording
+    old = {k: v for k, v in report.items() if k not in ("sheet_rows", "turn_following_teacher_forced")}
+    (tmp_path / "eval" / "old.json").write_text(json.dumps(old))
+    export_checkpoint.main(export + ["--eval", str(tmp_path / "eval" / "old.json")])
+    card = (tmp_path / "ckpt" / "MODEL.md").read_text()
+    assert f"one in {report['turn_sheet_every']}; simulator above, model below" in card and "(teacher-forced)" not in card
     with pytest.raises(SystemExit, match="holds a model unlike"):
         train_world.main(["--latents", str(chain / "latents2"), "--out", str(tmp_path / "ft2"), "--steps", "0",
                           "--init", str(tmp_path / "ckpt")])  # the default config is the full-size world
