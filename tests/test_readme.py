@@ -4,9 +4,13 @@ import re
 from .conftest import REPO
 
 
+def fenced_blocks():
+    """The README's fenced code blocks, each opening fence paired with its own closing one."""
+    return re.findall(r"^```\w*\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
+
+
 def fenced_commands():
-    text = (REPO / "README.md").read_text()
-    return [ln.strip() for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S)
+    return [ln.strip() for block in fenced_blocks()
             for ln in block.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
 
@@ -21,8 +25,7 @@ def test_readme_opens_with_install_run_then_test_and_ci_uses_them():
 
 def chain_block_commands():
     """The commands of the README's fenced block that trains the shipped world, comments dropped."""
-    text = (REPO / "README.md").read_text()
-    block = next(b for b in re.findall(r"^```\w*\n(.*?)^```", text, re.S | re.M) if "scripts.train_world" in b)
+    block = next(b for b in fenced_blocks() if "scripts.train_world" in b)
     return [re.split(r"\s+#", ln)[0].strip() for ln in block.splitlines() if ln.startswith("python -m scripts.")]
 
 
