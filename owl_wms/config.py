@@ -22,9 +22,32 @@ class ConfigError(ValueError):
     """A config file is missing, malformed, or describes something we cannot build."""
 
 
+# Model kinds of the original code base that this engine does not implement, and why.
+OTHER_MODEL_KINDS = {
+    "game_rft_audio": "it is the audio-video GameRFT (video and audio tokens in every frame); this engine "
+                      "implements the video-only GameRFT (model_id: game_rft)",
+    "game_mft_audio": "it is the audio-video GameMFT; this engine implements the video-only GameRFT "
+                      "(model_id: game_rft)",
+}
+OTHER_BACKBONES = {
+    "mmdit": "the multi-modal DiT backbone (separate audio and video streams) is not implemented; "
+             "this engine runs backbone: dit",
+    "uvit": "the U-ViT backbone (skip projections between early and late blocks) is not implemented; "
+            "this engine runs backbone: dit",
+}
+ROPE_KINDS = ("motion", "ortho")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The ``model:`` section of an original GameRFT config (ARCHITECTURE Part 1)."""
+    """The ``model:`` section of an original GameRFT config (ARCHITECTURE Part 1).
+
+    Where the original reads a key with a default (``getattr(config, key, default)``), ours is
+    the same: ``rope_impl`` -> ortho, ``local_idx`` -> 4, and the motion RoPE keys. Its config
+    loader fills in nothing else, so every other key it reads must be in its YAML; of those,
+    ours defaults the ones that cannot change the numbers silently (``causal``, ``uncond``,
+    ``n_buttons``, ...) and requires ``n_frames`` where it shapes them (ortho RoPE's time axis).
+    """
 
     sample_size: int
     channels: int
@@ -32,15 +55,16 @@ class ModelConfig:
     n_heads: int
     d_model: int
     tokens_per_frame: int
-    n_frames: int = 60
+    n_frames: int | None = None  # the original's RoPE table length (frames); ortho RoPE positions need it
     model_id: str = "game_rft"
     n_buttons: int = 11
     n_mouse_axes: int = 2
+    patch_size: int = 1
     causal: bool = True
     uncond: bool = False
     backbone: str = "dit"
     has_audio: bool = False
-    rope_impl: str = "motion"
+    rope_impl: str = "ortho"
     rope_base: float = 10000.0
     rope_ats_delta: float = 2.0
     rope_dim_t: int | None = None
@@ -58,28 +82,55 @@ class ModelConfig:
         return layer % self.local_idx != 0
 
     def layer_window(self, layer: int) -> int | None:
-        """Frames a query may look back (itself included); None means unlimited."""
+        """Frames a query may look back (itself included) under the frame mask of prefill and
+        training; None means unlimited."""
         return self.local_window if self.is_local(layer) else self.global_window
+
+    def decode_window(self, layer: int) -> int | None:
+        """Frames a single decoded frame may look back (itself included) over the cache: the
+        original builds no mask while decoding, so a global layer sees every cached frame
+        whatever ``global_window`` says, and only local layers are cut to ``local_window``."""
+        return self.local_window if self.is_local(layer) else None
 
     def validate(self, source: str = "config") -> "ModelConfig":
         def bad(key, value, fix):
             raise ConfigError(f"{source}: model.{key}={value!r} is not supported: {fix}")
 
+        if self.model_id in OTHER_MODEL_KINDS:
+            bad("model_id", self.model_id, OTHER_MODEL_KINDS[self.model_id])
         if self.model_id != "game_rft":
-            bad("model_id", self.model_id, "only 'game_rft' is implemented")
+            bad("model_id", self.model_id, "only 'game_rft' (the video GameRFT) is implemented")
+        if self.backbone in OTHER_BACKBONES:
+            bad("backbone", self.backbone, OTHER_BACKBONES[self.backbone])
         if self.backbone != "dit":
             bad("backbone", self.backbone, "only 'dit' is implemented")
         if self.has_audio:
-            bad("has_audio", self.has_audio, "audio models are not supported; set has_audio: false")
+            bad("has_audio", self.has_audio, "audio tokens are not supported (a video-only GameRFT has "
+                                             "has_audio: false)")
         if not self.causal:
-            bad("causal", self.causal, "the streaming pipeline needs a causal model (causal: true)")
+            bad("causal", self.causal, "the streaming pipeline needs a frame-causal model (causal: true)")
+        for key in ("sample_size", "channels", "n_layers", "n_heads", "d_model", "tokens_per_frame", "n_frames"):
+            value = getattr(self, key)
+            if (value is not None or key != "n_frames") and (isinstance(value, bool) or not isinstance(value, int)
+                                                             or value < 1):
+                bad(key, value, "must be a positive integer")
+        if self.patch_size != 1:
+            bad("patch_size", self.patch_size, "GameRFT tokens are single latent pixels (patch_size: 1)")
         if self.d_model % self.n_heads:
             bad("n_heads", self.n_heads, f"d_model {self.d_model} must be divisible by n_heads")
         if self.tokens_per_frame != self.sample_size**2:
             bad("tokens_per_frame", self.tokens_per_frame,
                 f"patch size is 1, so it must equal sample_size**2 = {self.sample_size ** 2}")
-        if self.rope_impl != "motion":
-            bad("rope_impl", self.rope_impl, "only 'motion' RoPE is implemented ('ortho' is optional and absent)")
+        if self.rope_impl not in ROPE_KINDS:
+            bad("rope_impl", self.rope_impl, f"choose one of {list(ROPE_KINDS)} (absent means 'ortho', as in "
+                                             "the original)")
+        if self.rope_impl == "ortho":
+            if self.head_dim % 8:
+                bad("n_heads", self.n_heads, f"ortho RoPE splits the head dim into four axes of even size, so "
+                                             f"head_dim = d_model / n_heads = {self.head_dim} must be a multiple of 8")
+            if self.n_frames is None or self.n_frames < 2:
+                bad("n_frames", self.n_frames, "ortho RoPE places frame k at time -1 + 2k/(n_frames - 1), so it "
+                                               "needs the n_frames the model was trained with (>= 2)")
         if self.n_buttons != 11 or self.n_mouse_axes != 2:
             bad("n_buttons/n_mouse_axes", (self.n_buttons, self.n_mouse_axes), "the controls are 2 mouse axes and 11 buttons")
         if self.local_idx < 1:
@@ -88,18 +139,25 @@ class ModelConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 bad(key, value, "a window is a positive number of frames, or null for unlimited")
+        if self.local_window is None and any(self.is_local(i) for i in range(self.n_layers)):
+            bad("local_window", None, "the model has local layers (layer % local_idx != 0), which need a "
+                                      "local_window in frames")
         return self
 
     @classmethod
     def from_mapping(cls, section: Any, source: str = "config") -> "ModelConfig":
         data = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+        if data.get("model_id") in OTHER_MODEL_KINDS:  # before the key checks: say what the model is
+            raise ConfigError(f"{source}: model.model_id={data['model_id']!r} is not supported: "
+                              f"{OTHER_MODEL_KINDS[data['model_id']]}")
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         missing = sorted(required - data.keys())
         if missing:
             raise ConfigError(f"{source}: model section lacks required keys {missing}")
-        # Original configs carry training-only keys (cfg_prob, ...); they do not affect inference.
+        # Original configs carry training-only keys (cfg_prob, gradient_checkpointing, ...); they
+        # do not affect inference.
         return cls(**{k: v for k, v in data.items() if k in names}).validate(source)
 
     def to_dict(self) -> dict:

@@ -1,9 +1,13 @@
-"""Motion RoPE (ARCHITECTURE Part 1), computed for the positions in use.
+"""Rotary position embeddings of GameRFT (ARCHITECTURE Part 1), computed for the positions in use.
 
-No table: angles are built in float64 from the absolute token positions of the call, so
-positions never run out (the original's n_frames*tpf table failed after ~1,500 frames).
+``motion``: frequencies over (time, column + time, row + time); ``ortho``: axial frequencies
+over (time, row, column) on normalised coordinates, the original's default. No table: angles
+are built in float64 from the absolute token positions of the call, so positions never run
+out (the original's n_frames*tpf table failed after ~1,500 frames).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -23,6 +27,8 @@ def rope_dims(cfg: ModelConfig) -> tuple[int, int, int]:
 
 class MotionRoPE(torch.nn.Module):
     """Rotary angles for (time, column, row) of each token; no stored buffers."""
+
+    kind = "motion"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -55,6 +61,42 @@ class MotionRoPE(torch.nn.Module):
     def cos_sin(self, token_offset: int, n_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.angles(token_offset, n_tokens)
         return a.cos().float().to(device), a.sin().float().to(device)
+
+
+class OrthoRoPE(MotionRoPE):
+    """Axial rotary angles on normalised coordinates (``rope_impl: ortho``).
+
+    The original takes rotary-embedding-torch's pixel frequencies f_k = pi * linspace(1, 128,
+    dh/8)[k] for four axes (time, row, column, and a padding axis whose angle is always 0), and
+    positions from linspace(-1, 1, steps) per axis: time over the n_frames frames of its table,
+    row and column over sample_size + 1 steps (the extra one belonged to an audio token). After
+    its subsampling, angle j of a head is [t*f, row*f, col*f, 0*f] for the dh/8 frequencies in
+    turn. Frames past n_frames continue the same straight line in time (the original's table
+    ended there)."""
+
+    kind = "ortho"
+
+    def __init__(self, cfg: ModelConfig):
+        torch.nn.Module.__init__(self)
+        self.tpf, self.side = cfg.tokens_per_frame, cfg.sample_size
+        self.time_step = 2.0 / (cfg.n_frames - 1)
+        self.space_step = 2.0 / cfg.sample_size  # linspace(-1, 1, sample_size + 1)
+        n = cfg.head_dim // 8
+        self._freqs = torch.linspace(1.0, 128.0, n, dtype=torch.float64, device="cpu") * math.pi
+
+    def angles(self, token_offset: int, n_tokens: int) -> torch.Tensor:
+        p = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device="cpu")
+        frame, within = p // self.tpf, p % self.tpf
+        row, col = within // self.side, within % self.side
+        t = frame.double() * self.time_step - 1.0
+        y = row.double() * self.space_step - 1.0
+        x = col.double() * self.space_step - 1.0
+        coords = torch.stack([t, y, x, torch.zeros_like(t)], dim=-1)  # [n, 4 axes]
+        return (coords[:, :, None] * self._freqs).flatten(1)  # axis-major: [t f0..fm, y f0..fm, x .., 0 ..]
+
+
+def make_rope(cfg: ModelConfig) -> MotionRoPE:
+    return OrthoRoPE(cfg) if cfg.rope_impl == "ortho" else MotionRoPE(cfg)
 
 
 def apply_rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,9 @@ from owl_wms.config import ModelConfig, PipelineConfig, WorldConfig, DecoderConf
 from owl_wms.model import GameRFT
 from owl_wms.settings import Settings
 
+# The production model (ARCHITECTURE Part 1); n_frames is its table length, which only ortho RoPE reads.
 PRODUCTION = dict(sample_size=8, channels=128, n_layers=16, n_heads=24, d_model=1536, tokens_per_frame=64,
-                  n_frames=60, local_window=16, global_window=None)
+                  n_frames=60, n_buttons=11, causal=True, rope_impl="motion", local_window=16, global_window=None)
 
 
 def machine() -> str:
