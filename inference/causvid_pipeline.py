@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from owl_wms.cache import QuantizedStaticCache, build_cache, describe_plan, plan_layers
 from owl_wms.clips import Clip, list_clips, load_clip
 from owl_wms.config import WorldConfig, load_config
-from owl_wms.loading import build_model, load_weights, read_state_dict
+from owl_wms.loading import build_model, load_weights, read_weights
 from owl_wms.parallel import ParallelContext, TPError, digest, fingerprint, is_collective_error
 from owl_wms.settings import KVSettings, Settings
 from owl_wms.vae import FrameDecoder, load_decoder
@@ -59,8 +59,9 @@ def to_uint8(frame: torch.Tensor) -> torch.Tensor:
 class CausvidPipeline:
     def __init__(self, model, decoder: FrameDecoder | None, world: WorldConfig, settings: Settings | None = None,
                  clip: Clip | None = None, ground_truth: bool = False, verbose: bool = True,
-                 tp: ParallelContext | None = None, tp_fault: str | None = None):
+                 tp: ParallelContext | None = None, tp_fault: str | None = None, weights: str | None = None):
         self.world = world
+        self.weights = weights  # which weights of the checkpoint were loaded (said in the start-up line)
         self.settings = settings or Settings.resolve(world.inference)
         s = self.settings
         self.cfg = world.model
@@ -128,18 +129,20 @@ class CausvidPipeline:
     @classmethod
     def from_checkpoint(cls, checkpoint=None, ckpt_path=None, settings: Settings | None = None, clip=0,
                         ground_truth: bool = False, verbose: bool = True, tp: ParallelContext | None = None,
-                        tp_fault: str | None = None) -> "CausvidPipeline":
-        """``checkpoint``: a checkpoint folder (with config.yaml) or a config file. Under tensor
-        parallelism only rank 0 loads the autoencoder (it owns decoding and output)."""
+                        tp_fault: str | None = None, weights: str | None = None) -> "CausvidPipeline":
+        """``checkpoint``: a checkpoint folder (with config.yaml) or a config file. ``weights``:
+        "ema" or "online" for a trainer checkpoint holding both (default: EMA where present).
+        Under tensor parallelism only rank 0 loads the autoencoder (it owns decoding and output)."""
         checkpoint = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
         cfg_path = checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint
         world = load_config(cfg_path)
         settings = settings or Settings.resolve(world.inference)
         ckpt_path = Path(ckpt_path) if ckpt_path is not None else cfg_path.parent / "model.safetensors"
-        model = load_weights(build_model(world.model), read_state_dict(ckpt_path), str(ckpt_path))
+        loaded = read_weights(ckpt_path, weights)
+        model = load_weights(build_model(world.model), loaded.tensors, str(ckpt_path))
         decoder = load_decoder(world) if tp is None or tp.is_leader else None
         pipe = cls(model, decoder, world, settings, ground_truth=ground_truth, verbose=verbose, tp=tp,
-                   tp_fault=tp_fault)
+                   tp_fault=tp_fault, weights=loaded.describe())
         if clip is not None and (tp is None or tp.is_leader):
             pipe.load_clip(clip)
         return pipe
@@ -150,8 +153,10 @@ class CausvidPipeline:
         sched = ">".join(f"{t:g}" for t in self.schedule)
         local = sum(p.numel() for p in self.model.parameters())
         per_rank = f" (rank 0 holds {local / 1e6:.1f}M)" if self.tp is not None else ""
-        text = (f"[owl] world={self.world.name}{label} params={n / 1e6:.1f}M{per_rank} window={self.window} "
-                f"alpha={self.alpha} schedule={sched} | {self.settings.describe()}")
+        weights = f" weights={self.weights}" if self.weights else ""
+        text = (f"[owl] world={self.world.name}{label} params={n / 1e6:.1f}M{per_rank}{weights} "
+                f"rope={self.cfg.rope_impl} window={self.window} alpha={self.alpha} schedule={sched} | "
+                f"{self.settings.describe()}")
         if self.tp is not None:
             text += (f"\n[owl] tensor parallel: {self.tp.world} ranks, {self.cache_cfg.n_heads} of "
                      f"{self.cfg.n_heads} heads per rank, lifecycle check every {self.tp.check_every} steps")
@@ -341,18 +346,22 @@ class CausvidPipeline:
         r = self._nocache
         cat = lambda key, new: torch.cat([r[key], new], dim=1)  # noqa: E731
         xs, ts, ms, bs = cat("x", x), cat("t", t), cat("mouse", m), cat("buttons", b)
-        v = self.core(xs, ts, ms, bs, frame_offset=r["start"], window_cap=self.window, attn_bias=bias)[:, -x.shape[1]:]
+        # Frames of the history attend under the frame mask as in the prefill, later ones as decoded.
+        decode_from = max(r["prefill_end"] - r["start"], 0)
+        v = self.core(xs, ts, ms, bs, frame_offset=r["start"], window_cap=self.window, attn_bias=bias,
+                      decode_from=decode_from)[:, -x.shape[1]:]
         if write:
             drop = max(xs.shape[1] - self._nocache_frames, 0)
             self._nocache = {"x": xs[:, drop:], "t": ts[:, drop:], "mouse": ms[:, drop:],
-                             "buttons": bs[:, drop:], "start": r["start"] + drop}
+                             "buttons": bs[:, drop:], "start": r["start"] + drop, "prefill_end": r["prefill_end"]}
         return v
 
     def _reset_cache(self):
         if self.settings.kv_cache == "none":
             c, s = self.cfg.channels, self.cfg.sample_size
             empty = lambda *shape: self._dev(torch.zeros(1, 0, *shape))  # noqa: E731
-            self._nocache = {"x": empty(c, s, s), "t": empty(), "mouse": empty(2), "buttons": empty(11), "start": 0}
+            self._nocache = {"x": empty(c, s, s), "t": empty(), "mouse": empty(2), "buttons": empty(11), "start": 0,
+                             "prefill_end": 0}
         elif self.cache is None:
             self.cache = build_cache(self.cache_cfg, self.settings, self.window, plans=self.kv_plan)
             if self.profiler and isinstance(self.cache, QuantizedStaticCache):
@@ -415,9 +424,14 @@ class CausvidPipeline:
                 self._reset_cache()
                 if self.profiler and plan.event == "cut":
                     self.profiler.start()
+                if self._nocache is not None:
+                    self._nocache["prefill_end"] = n
             x, t = self._dev(plan.history[None]), self._dev(torch.full((1, n), self.alpha))
             m, b = self._dev(plan.history_mouse[None]), self._dev(plan.history_buttons[None])
-            tf.disable_decoding()
+            # A new history fills the cache under the frame mask (the original's prefill); an
+            # observed frame enters it as a generated frame would, decoding.
+            if plan.reset:
+                tf.disable_decoding()
             self._velocity(x, t, m, b, write=True, bias=plan.bias)
             tf.enable_decoding()
             if self.profiler:
@@ -529,8 +543,9 @@ class CausvidPipeline:
             cache_tensors, meta["cache"] = self.cache.state_dict()
             tensors.update({f"cache.{k}": v for k, v in cache_tensors.items()})
         if self._nocache is not None:
-            tensors.update({f"nocache.{k}": v for k, v in self._nocache.items() if k != "start"})
+            tensors.update({f"nocache.{k}": v for k, v in self._nocache.items() if k not in ("start", "prefill_end")})
             meta["nocache_start"] = self._nocache["start"]
+            meta["nocache_prefill_end"] = self._nocache["prefill_end"]
         return {"tensors": {k: v.detach().clone() for k, v in tensors.items()}, "meta": meta}
 
     @torch.no_grad()
@@ -552,6 +567,7 @@ class CausvidPipeline:
         if "nocache_start" in meta:
             self._nocache = {k[8:]: self._dev(v) for k, v in tensors.items() if k.startswith("nocache.")}
             self._nocache["start"] = meta["nocache_start"]
+            self._nocache["prefill_end"] = meta["nocache_prefill_end"]
         self._anchor.clear()
         self._anchor.extend((tensors[f"anchor.{i}.latent"].clone(), tensors[f"anchor.{i}.mouse"].clone(),
                              tensors[f"anchor.{i}.buttons"].clone()) for i in range(meta["anchor"]))

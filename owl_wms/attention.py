@@ -2,6 +2,10 @@
 
 Rule (ARCHITECTURE Part 1): a query in frame fq sees a key in frame fk iff
 fk <= fq and fq - fk < window (window None = unlimited). Attention is full inside a frame.
+
+A ``window`` is one value for every query frame, or a tuple with one value per query frame
+(a call that mixes frames under the training mask with decoded frames, which see further:
+the no-cache baseline).
 """
 from __future__ import annotations
 
@@ -47,29 +51,63 @@ def query_chunk_tokens(tokens: int):
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 
-def frame_visible(q_frame, k_frame, window: int | None):
-    """The one mask rule, on tensors of frame indices (broadcasting)."""
+Window = int | None | tuple
+
+
+def frame_visible(q_frame, k_frame, window):
+    """The one mask rule, on tensors of frame indices (broadcasting); ``window`` None, an int,
+    or a tensor broadcasting like ``q_frame`` (per-query windows, no limit as a huge value)."""
     ok = k_frame <= q_frame
     if window is not None:
         ok = ok & (q_frame - k_frame < window)
     return ok
 
 
-def dense_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, device=None) -> torch.Tensor:
+def widest(window: Window) -> int | None:
+    """The largest look-back of a window (None: unlimited)."""
+    if not isinstance(window, tuple):
+        return window
+    return None if any(w is None for w in window) else max(window)
+
+
+def per_query(window: Window, n_q_frames: int, start: int = 0, device=None):
+    """``window`` for query frames start .. start + n_q_frames - 1: as is when uniform, else a
+    [n, 1] tensor (no limit as a value past any distance)."""
+    if not isinstance(window, tuple):
+        return window
+    part = window[start:start + n_q_frames]
+    if len(set(part)) == 1:
+        return part[0]
+    big = 1 << 40
+    return torch.tensor([big if w is None else w for w in part], device=device)[:, None]
+
+
+def frame_rule(n_q_frames: int, n_k_frames: int, window: Window, device=None) -> torch.Tensor:
+    """Boolean [n_q, n_k] frame visibility; the query frames are the last n_q_frames key frames."""
+    q = torch.arange(n_q_frames, device=device) + (n_k_frames - n_q_frames)
+    k = torch.arange(n_k_frames, device=device)
+    return frame_visible(q[:, None], k[None, :], per_query(window, n_q_frames, device=device))
+
+
+def dense_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window, device=None) -> torch.Tensor:
     """Boolean [Tq, Tk] token mask; the query frames are the last n_q_frames key frames."""
-    q = torch.arange(n_q_frames * tpf, device=device) // tpf + (n_k_frames - n_q_frames)
-    k = torch.arange(n_k_frames * tpf, device=device) // tpf
-    return frame_visible(q[:, None], k[None, :], window)
+    rule = frame_rule(n_q_frames, n_k_frames, window, device)
+    return rule.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1)
 
 
 @torch.compiler.disable  # built once per shape in eager; compiled graphs take it as an input
 @lru_cache(maxsize=64)
-def block_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, device: str,
+def block_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window, device: str,
                block_size: int = 128):
     shift = n_k_frames - n_q_frames
+    if isinstance(window, tuple):
+        rule = frame_rule(n_q_frames, n_k_frames, window, device)
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return frame_visible(q_idx // tpf + shift, kv_idx // tpf, window)
+        def mask_mod(b, h, q_idx, kv_idx):
+            return rule[q_idx // tpf, kv_idx // tpf]
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return frame_visible(q_idx // tpf + shift, kv_idx // tpf, window)
 
     return create_block_mask(mask_mod, None, None, n_q_frames * tpf, n_k_frames * tpf,
                              device=device, BLOCK_SIZE=block_size)
@@ -84,7 +122,7 @@ def _flex_eager(q, k, v, bm, scale, score_mod=None):
 
 @torch.compiler.disable
 @lru_cache(maxsize=64)
-def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | None, bias: float,
+def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window, bias: float,
                       ring: tuple | None, dtype: torch.dtype, device: str) -> torch.Tensor:
     """Additive [Tq, Tk] mask for soft forgetting: ``bias`` on visible keys of earlier frames
     (cached history), 0 on the query's own frame, -inf where the frame rule hides a key.
@@ -95,7 +133,7 @@ def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | 
     if ring is None:
         q = torch.arange(n_q_frames) + (n_k_frames - n_q_frames)
         k = torch.arange(n_k_frames)
-        visible = frame_visible(q[:, None], k[None, :], window)
+        visible = frame_rule(n_q_frames, n_k_frames, window)
         history = k[None, :] < q[:, None]
     else:
         current, slots = ring
@@ -107,7 +145,7 @@ def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: int | 
     return add.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1).to(device, dtype)
 
 
-def attend(q, k, v, tpf: int, window: int | None, backend: str, mask=None):
+def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
     """q: [b,h,Tq,dh], k/v: [b,h,Tk,dh]; query frames are the last Tq/tpf key frames.
 
     ``mask``: a boolean [Tq or 1, Tk] from a ring cache read in place (it replaces the
@@ -128,8 +166,9 @@ def attend(q, k, v, tpf: int, window: int | None, backend: str, mask=None):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     n_q, n_k = q.shape[2] // tpf, k.shape[2] // tpf
     # Tail-only read: drop key frames no query can see (exact; saves work on local layers).
-    if window is not None and n_k - n_q - (window - 1) > 0:
-        drop = n_k - n_q - (window - 1)
+    reach = widest(window)
+    if reach is not None and n_k - n_q - (reach - 1) > 0:
+        drop = n_k - n_q - (reach - 1)
         k, v, n_k = k[:, :, drop * tpf:], v[:, :, drop * tpf:], n_k - drop
     if backend == "flex":
         bm = block_mask(n_q, n_k, tpf, window, str(q.device))
@@ -141,7 +180,7 @@ def attend(q, k, v, tpf: int, window: int | None, backend: str, mask=None):
     return _attend_sdpa(q, k, v, tpf, window, chunk, scale)
 
 
-def _attend_sdpa(q, k, v, tpf: int, window: int | None, chunk: int, scale: float):
+def _attend_sdpa(q, k, v, tpf: int, window: Window, chunk: int, scale: float):
     """SDPA over chunks of ``chunk`` query frames, each against only the key frames it can
     see (one chunk of all the query frames is the plain masked call). The same rule and the
     same result either way, but chunks skip the masked-out work: on a 32-frame training clip
@@ -153,18 +192,22 @@ def _attend_sdpa(q, k, v, tpf: int, window: int | None, chunk: int, scale: float
     for s in range(0, n_q, chunk):
         c = min(chunk, n_q - s)
         hi = s + c + shift
-        lo = 0 if window is None else max(0, s + shift - (window - 1))
+        part = window[s:s + c] if isinstance(window, tuple) else window
+        reach = widest(part)
+        lo = 0 if reach is None else max(0, s + shift - (reach - 1))
         # One query frame sees every key it is given: no mask needed.
-        mask = None if c == 1 else dense_mask(c, hi - lo, tpf, window, q.device)
+        mask = None if c == 1 else dense_mask(c, hi - lo, tpf, part, q.device)
         out.append(F.scaled_dot_product_attention(q[:, :, s * tpf:(s + c) * tpf], k[:, :, lo * tpf:hi * tpf],
                                                   v[:, :, lo * tpf:hi * tpf], attn_mask=mask, scale=scale))
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, layer: int, tpf: int, window: int | None):
+    def __init__(self, d_model: int, n_heads: int, layer: int, tpf: int, window: int | None,
+                 decode_window: int | None = None):
         super().__init__()
-        self.n_heads, self.layer, self.tpf, self.window = n_heads, layer, tpf, window
+        self.n_heads, self.layer, self.tpf = n_heads, layer, tpf
+        self.window, self.decode_window = window, decode_window  # frame mask / decoding (ModelConfig)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
 
@@ -187,11 +230,20 @@ class Attention(nn.Module):
             return k, v, None
         return kv_cache.attend_window(self.layer, k, v)
 
-    def effective_window(self, window_cap: int | None) -> int | None:
-        if window_cap is None:
-            return self.window
-        return window_cap if self.window is None else min(self.window, window_cap)
+    def effective_window(self, window_cap: int | None, n_q_frames: int = 1, decode_from: int | None = None) -> Window:
+        """The look-back of each query frame: the frame mask's window for frames before
+        ``decode_from`` (None: no decoded frames), the decoding window from there on; both
+        capped at ``window_cap`` frames."""
+        def cap(w):
+            return w if window_cap is None else window_cap if w is None else min(w, window_cap)
 
-    def attend_out(self, q, k, v, window: int | None, backend: str, mask=None):
+        framed, decoded = cap(self.window), cap(self.decode_window)
+        if decode_from is None or decode_from >= n_q_frames:
+            return framed
+        if decode_from <= 0 or framed == decoded:
+            return decoded
+        return (framed,) * decode_from + (decoded,) * (n_q_frames - decode_from)
+
+    def attend_out(self, q, k, v, window: Window, backend: str, mask=None):
         y = attend(q, k, v, self.tpf, window, backend, mask)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))

@@ -174,7 +174,7 @@ class RingGuardError(RuntimeError):
 class LayerPlan:
     layer: int
     owner: int  # the layer whose K/V this one reads (itself unless it borrows, OWL_KV_SHARE)
-    window: int  # frames a query of this layer sees, itself included
+    window: int  # frames a decoded query of this layer sees, itself included (ModelConfig.decode_window)
     capacity: int  # frames stored by an owner
     k: tuple[str, ScalePolicy]  # (codec, scale policy)
     v: tuple[str, ScalePolicy]
@@ -193,7 +193,9 @@ def plan_layers(config: ModelConfig, kv: KVSettings, window_frames: int) -> list
         raise SettingsError(f"OWL_KV_LATE_LAYERS={kv.late_layers} exceeds the model's {n} layers")
     if kv.share > n:
         raise SettingsError(f"OWL_KV_SHARE={kv.share} exceeds the model's {n} layers")
-    windows = [min(config.layer_window(i) or window_frames, window_frames) for i in range(n)]
+    # A decoded frame reads the cache without the frame mask: global layers see all W frames
+    # whatever global_window says (the original), local layers their last local_window.
+    windows = [min(config.decode_window(i) or window_frames, window_frames) for i in range(n)]
     first_quantized = n - (kv.late_layers or n)
     plans = []
     for i in range(n):

@@ -10,7 +10,7 @@ from torch import nn
 
 from .attention import BACKENDS, Attention, history_bias_mask
 from .config import ModelConfig
-from .rope import MotionRoPE
+from .rope import make_rope
 
 
 class SinCos(nn.Module):
@@ -116,7 +116,8 @@ class DiTBlock(nn.Module):
         d = cfg.d_model
         self.adaln1, self.adaln2 = AdaLN(d), AdaLN(d)
         self.gate1, self.gate2 = Gate(d), Gate(d)
-        self.attn = Attention(d, cfg.n_heads, layer, cfg.tokens_per_frame, cfg.layer_window(layer))
+        self.attn = Attention(d, cfg.n_heads, layer, cfg.tokens_per_frame, cfg.layer_window(layer),
+                              cfg.decode_window(layer))
         self.mlp = MLP(d, 4 * d, d)
 
     # The block is split around the cache: the two halves are pure tensor code (what
@@ -131,7 +132,7 @@ class DiTBlock(nn.Module):
         x = x + self.gate1(self.attn.attend_out(q, k, v, window, backend, mask), cond)
         return x + self.gate2(self.mlp(self.adaln2(x, cond)), cond)
 
-    def forward(self, x, cond, rope, kv_cache, backend, window_cap, bias: float = 0.0):
+    def forward(self, x, cond, rope, kv_cache, backend, window_cap, bias: float = 0.0, decode_from: int | None = None):
         if kv_cache is not None and kv_cache.borrows(self.attn.layer):
             # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
             q = self._pre_q(x, cond, *rope)
@@ -139,7 +140,7 @@ class DiTBlock(nn.Module):
         else:
             q, k, v = self._pre(x, cond, *rope)
             k, v, mask = self.attn.with_cache(k, v, kv_cache)
-        window = self.attn.effective_window(window_cap)
+        window = self.attn.effective_window(window_cap, cond.shape[1], decode_from)
         if bias:  # soft forgetting: an additive mask replaces the boolean rule (zero bias: untouched)
             ring = kv_cache.ring_view(self.attn.layer) if kv_cache is not None else None
             tpf = self.attn.tpf
@@ -164,8 +165,9 @@ class Transformer(nn.Module):
         self.backend, self.decode_backend = "sdpa", "sdpa"
         self.decoding = False
 
-    # The original's call sequence toggles these around prefill/decode; here they pick
-    # which attention backend runs (prefill vs. per-frame decode).
+    # The original's call sequence toggles these around prefill/decode. Decoding, a frame read
+    # over a cache sees it without the frame mask (global layers: every cached frame; local
+    # layers: their last local_window), and the decode backend runs.
     def enable_decoding(self):
         self.decoding = True
 
@@ -183,10 +185,13 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.compile_halves(**kwargs)
 
-    def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float = 0.0):
+    def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float = 0.0,
+                decode_from: int | None = None):
         backend = self.decode_backend if self.decoding else self.backend
+        if decode_from is None and self.decoding and kv_cache is not None:
+            decode_from = 0  # a cache-free call keeps the frame mask unless told otherwise
         for block in self.blocks:
-            x = block(x, cond, rope, kv_cache, backend, window_cap, bias)
+            x = block(x, cond, rope, kv_cache, backend, window_cap, bias, decode_from)
         return x
 
 
@@ -207,10 +212,11 @@ class GameRFTCore(nn.Module):
         d = config.d_model
         self.proj_in = nn.Linear(config.channels, d, bias=False)
         self.t_embed = TimestepEmbedding(d)
-        self.control_embed = ControlEmbedding(d, config.n_buttons)
+        if not config.uncond:  # an unconditional original has no control weights
+            self.control_embed = ControlEmbedding(d, config.n_buttons)
         self.transformer = Transformer(config)
         self.proj_out = FinalLayer(d, config.channels)
-        self.rope = MotionRoPE(config)
+        self.rope = make_rope(config)
 
     def check_inputs(self, x, t, mouse, button):
         c, s = self.config.channels, self.config.sample_size
@@ -222,13 +228,16 @@ class GameRFTCore(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(val.shape)}; expected {[b, n, *tail]} to match x")
 
     def forward(self, x, t, mouse=None, button=None, kv_cache=None, frame_offset: int = 0,
-                window_cap: int | None = None, attn_bias: float = 0.0):
+                window_cap: int | None = None, attn_bias: float = 0.0, decode_from: int | None = None):
         """x [b,n,c,h,w], t [b,n], mouse [b,n,2], button [b,n,11] -> velocity [b,n,c,h,w].
 
         With a cache, positions continue from the cache's token offset; without one they
         start at ``frame_offset``. ``window_cap`` limits every layer's look-back (frames).
         ``attn_bias`` is added to the attention logits of keys from earlier frames (the
         cached history), never to the query frame's own keys; 0 leaves attention untouched.
+        ``decode_from``: frames from this index on attend as decoded frames (no frame mask on
+        global layers, see ModelConfig.decode_window), earlier ones under the frame mask; None
+        follows the transformer's decoding switch (all frames one way).
         """
         self.check_inputs(x, t, mouse, button)
         b, n, c, h, w = x.shape
@@ -238,7 +247,7 @@ class GameRFTCore(nn.Module):
         tokens = self.proj_in(rearrange(x, "b n c h w -> b (n h w) c").to(self.proj_in.weight.dtype))
         offset = kv_cache.get_offset(0) if kv_cache is not None else frame_offset * self.config.tokens_per_frame
         rope = self.rope.cos_sin(offset, tokens.shape[1], x.device)
-        tokens = self.transformer(tokens, cond, rope, kv_cache, window_cap, attn_bias)
+        tokens = self.transformer(tokens, cond, rope, kv_cache, window_cap, attn_bias, decode_from)
         out = self.proj_out(tokens, cond)
         return rearrange(out, "b (n h w) c -> b n c h w", n=n, h=h, w=w)
 

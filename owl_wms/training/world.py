@@ -121,7 +121,8 @@ def teacher_first_step(teacher, x_t, t, mouse, buttons, schedule: tuple[float, .
     x, m, bt = z, mouse[:, -1:], buttons[:, -1:]
     levels = torch.linspace(schedule[0], schedule[1], steps + 1).tolist()
     for level, nxt in zip(levels[:-1], levels[1:]):
-        v = teacher(x, torch.full((b, 1), level, device=x.device, dtype=t.dtype), m, bt, kv_cache=cache)
+        v = teacher(x, torch.full((b, 1), level, device=x.device, dtype=t.dtype), m, bt, kv_cache=cache,
+                    decode_from=0)  # stepped as the pipeline decodes a frame
         x = x - (level - nxt) * v.to(x)
     return ((z - x) / (schedule[0] - schedule[1]))[:, 0]
 
