@@ -15,7 +15,7 @@ from pathlib import Path
 
 from owl_wms.clips import load_clip
 from owl_wms.config import ConfigError, load_config
-from owl_wms.loading import CheckpointError
+from owl_wms.loading import WEIGHT_CHOICES, CheckpointError
 from owl_wms.parallel import ParallelContext, TPError, is_collective_error
 from owl_wms.settings import Settings, SettingsError
 
@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
                    help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
     p.add_argument("--ckpt", default=None, help="weights file or shard index (default: model.safetensors, or its shards, beside the config)")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
+                   help="which weights of a trainer checkpoint ({model, ema, opt, steps}): its EMA copy or the "
+                        "online model (default: EMA where the file has it, as the original loads)")
     p.add_argument("--clip", default="0", help="index of a shipped clip, or a clip .safetensors path")
     p.add_argument("--world-seed", type=int, default=None,
                    help="start from a fresh simulator level: render and encode a history window")
@@ -93,7 +96,8 @@ def build_pipeline(args, tp: ParallelContext | None = None) -> CausvidPipeline:
     settings = resolve_settings(args)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
     pipe = CausvidPipeline.from_checkpoint(Path(args.checkpoint), args.ckpt, settings=settings, clip=clip,
-                                           ground_truth=args.ground_truth, tp=tp, tp_fault=args.tp_fault)
+                                           ground_truth=args.ground_truth, tp=tp, tp_fault=args.tp_fault,
+                                           weights=args.weights)
     if tp is not None and not tp.is_leader:
         return pipe
     if args.world_seed is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,9 +10,6 @@ from safetensors.torch import load_file
 
 from .config import ModelConfig, WorldConfig, load_config
 from .model import GameRFT
-
-PREFIXES = ("_orig_mod.", "module.", "ema_model.", "core.")
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not match its config."""
@@ -37,8 +35,24 @@ def _load_shards(index: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    path = Path(path)
+WEIGHT_CHOICES = ("ema", "online")
+WRAPPER_PREFIXES = ("_orig_mod.", "module.", "core.")  # torch.compile, DDP, the GameRFT wrapper
+EMA_BOOKKEEPING = ("initted", "step")  # ema-pytorch's buffers beside its two model copies
+
+
+@dataclass(frozen=True)
+class Weights:
+    """One set of model weights read from a checkpoint, and where in the file it was."""
+
+    tensors: dict[str, torch.Tensor]
+    kind: str  # "ema", "online" or "weights" (a file holding one unnamed set)
+    where: str  # the entry and key prefix, e.g. "ema: ema_model.*"
+
+    def describe(self) -> str:
+        return f"{self.kind} ({self.where}, {len(self.tensors)} tensors)"
+
+
+def _read_file(path: Path):
     index = shard_index(path)
     if not path.is_file() and index is None:
         raise CheckpointError(f"checkpoint file {str(path)!r} does not exist (nor a sharded "
@@ -46,30 +60,145 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                               ".safetensors.index.json, or a .pt file")
     try:
         if index is not None:
-            sd = _load_shards(index)
-        elif path.suffix == ".safetensors":
-            sd = load_file(str(path))
-        else:  # never unpickle arbitrary objects
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+            return _load_shards(index)
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {str(path)!r} could not be read: {exc}") from exc
-    for wrapper in ("ema", "model", "state_dict"):
-        if isinstance(sd, dict) and isinstance(sd.get(wrapper), dict):
-            sd = sd[wrapper]
-            break
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"checkpoint file {str(path)!r} does not hold a state dict of tensors")
-    return {strip_prefixes(k): v for k, v in sd.items()}
 
 
-def strip_prefixes(key: str) -> str:
+def _is_tensor_dict(obj) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def _group(keys) -> dict[str, int]:
+    """Keys counted by their first name component (``ema_model.*``: 312)."""
+    groups: dict[str, int] = {}
+    for k in keys:
+        head = k.split(".", 1)[0] + (".*" if "." in k else "")
+        groups[head] = groups.get(head, 0) + 1
+    return groups
+
+
+def describe_contents(obj) -> str:
+    """What a checkpoint holds, for error messages: entries, key groups, tensor counts."""
+    def one(value) -> str:
+        if _is_tensor_dict(value):
+            return "{" + ", ".join(f"{k}: {n}" if n > 1 or k.endswith("*") else k
+                                   for k, n in _group(value).items()) + "}"
+        if isinstance(value, dict):
+            return f"a dict of {len(value)} non-tensor entries"
+        if isinstance(value, torch.Tensor):
+            return f"a tensor {tuple(value.shape)}"
+        return f"{type(value).__name__} {value!r}"[:60]
+
+    if _is_tensor_dict(obj):
+        return f"one dict of {len(obj)} tensors {one(obj)}"
+    if isinstance(obj, dict):
+        return "entries " + "; ".join(f"{k!r}: {one(v)}" for k, v in obj.items())
+    return f"a {type(obj).__name__}"
+
+
+def _strip(key: str) -> str:
     changed = True
     while changed:
         changed = False
-        for p in PREFIXES:
+        for p in WRAPPER_PREFIXES:
             if key.startswith(p):
                 key, changed = key[len(p):], True
     return key
+
+
+def _candidates(obj) -> tuple[list[tuple[str, str, dict]], list[str]]:
+    """The weight sets a checkpoint holds, as (kind, where, raw tensors), and what makes it
+    ambiguous (reasons; empty when the sets are well defined)."""
+    sets, problems = [], []
+
+    def from_tensors(entry: str | None, sd: dict, plain_kind: str):
+        label = f"{entry}: " if entry else ""
+        ema = {k[len("ema_model."):]: v for k, v in sd.items() if k.startswith("ema_model.")}
+        online = {k[len("online_model."):]: v for k, v in sd.items() if k.startswith("online_model.")}
+        if not ema and not online:
+            sets.append((plain_kind, f"{entry or 'the file'}: {', '.join(_group(sd))}", sd))
+            return
+        # An ema-pytorch EMA state dict: two model copies and its step counters, nothing else.
+        other = sorted(k for k in sd if not k.startswith(("ema_model.", "online_model.")) and k not in EMA_BOOKKEEPING)
+        if other:
+            problems.append(f"{label}EMA copies sit beside {len(other)} other tensors ({', '.join(_group(other))})")
+        if ema:
+            sets.append(("ema", f"{label}ema_model.*", ema))
+        if online:
+            sets.append(("online", f"{label}online_model.*", online))
+
+    if _is_tensor_dict(obj):
+        from_tensors(None, obj, "weights")
+    elif isinstance(obj, dict):
+        # The original trainer's {model, ema, opt, steps}; other wrappers keep weights under
+        # "state_dict". Entries that are not weights (optimizer, scheduler, counters) are skipped.
+        for entry, kind in (("ema", "ema"), ("model", "online"), ("state_dict", "weights")):
+            if _is_tensor_dict(obj.get(entry)):
+                from_tensors(entry, obj[entry], kind)
+        if sum(k == "weights" for k, _, _ in sets) and len(sets) > 1:
+            problems.append("a 'state_dict' entry sits beside other weights")
+    return sets, problems
+
+
+def read_weights(path: str | Path, choice: str | None = None) -> Weights:
+    """The model weights of a checkpoint: a plain state dict (safetensors, shards or .pt), the
+    original trainer's ``{model, ema, opt, steps}`` whose ``ema`` is an ema-pytorch state dict
+    (``initted``, ``step``, ``online_model.*``, ``ema_model.*``), or a dict wrapping one under
+    ``ema``, ``model`` or ``state_dict``. Wrapper prefixes (``_orig_mod.``, ``module.``,
+    ``core.``) are stripped.
+
+    ``choice``: "ema" or "online" (the model the trainer optimised); None takes the EMA weights
+    where the file has them, as the original does, else its only set. A file whose weights cannot
+    be told apart is refused with a list of what it holds.
+    """
+    path = Path(path)
+    if choice is not None and choice not in WEIGHT_CHOICES:
+        raise CheckpointError(f"weights={choice!r} is not one of {list(WEIGHT_CHOICES)} (or none: EMA if present)")
+    obj = _read_file(path)
+    sets, problems = _candidates(obj)
+
+    def refuse(reason: str):
+        raise CheckpointError(f"checkpoint file {str(path)!r}: {reason}. It holds {describe_contents(obj)}")
+
+    if problems:
+        refuse("its weights are ambiguous (" + "; ".join(problems) + ")")
+    if not sets:
+        refuse("no state dict of tensors found (expected one, or the entries 'ema', 'model' or 'state_dict')")
+    by_kind: dict[str, list] = {}
+    for kind, where, sd in sets:
+        by_kind.setdefault(kind, []).append((where, sd))
+    # The trainer's "model" entry and the EMA's online copy are the same weights: prefer the entry.
+    if len(by_kind.get("online", [])) > 1:
+        by_kind["online"] = [w for w in by_kind["online"] if not w[0].startswith("ema:")]
+    if choice is None:
+        kind = "ema" if "ema" in by_kind else next(iter(by_kind)) if len(by_kind) == 1 else None
+        if kind is None:
+            refuse(f"it holds several weight sets ({', '.join(by_kind)}) and none is EMA; choose one")
+    else:
+        kind = choice
+        if kind not in by_kind:
+            have = ", ".join(f"{k} ({w[0][0]})" for k, w in by_kind.items())
+            refuse(f"it has no {kind} weights (it has: {have}); choose one of those")
+    if len(by_kind[kind]) > 1:
+        refuse(f"it holds several {kind} weight sets ({', '.join(w for w, _ in by_kind[kind])})")
+    where, raw = by_kind[kind][0]
+    tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, str] = {}
+    for k, v in raw.items():
+        name = _strip(k)
+        if name in tensors:
+            refuse(f"keys {sources[name]!r} and {k!r} of {where} both name weight {name!r}")
+        tensors[name], sources[name] = v, k
+    return Weights(tensors, kind, where)
+
+
+def read_state_dict(path: str | Path, choice: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of ``read_weights`` (the EMA weights by default)."""
+    return read_weights(path, choice).tensors
 
 
 def load_weights(model: GameRFT, state: dict[str, torch.Tensor], source: str = "checkpoint") -> GameRFT:
@@ -97,14 +226,15 @@ def build_model(cfg: ModelConfig) -> GameRFT:
     return GameRFT(cfg)
 
 
-def from_pretrained(cfg_path, ckpt_path=None, return_decoder: bool = False):
+def from_pretrained(cfg_path, ckpt_path=None, return_decoder: bool = False, weights: str | None = None):
     """Model (and decoder) from a config and a checkpoint, like the original's entry point.
 
-    ``ckpt_path`` defaults to ``model.safetensors`` beside the config.
+    ``ckpt_path`` defaults to ``model.safetensors`` beside the config; ``weights`` as in
+    ``read_weights`` (EMA where the file has them).
     """
     world: WorldConfig = load_config(cfg_path)
     ckpt_path = Path(ckpt_path) if ckpt_path is not None else Path(cfg_path).parent / "model.safetensors"
-    model = load_weights(build_model(world.model), read_state_dict(ckpt_path), str(ckpt_path)).eval()
+    model = load_weights(build_model(world.model), read_state_dict(ckpt_path, weights), str(ckpt_path)).eval()
     if not return_decoder:
         return model
     from .vae import load_decoder
