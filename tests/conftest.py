@@ -15,7 +15,7 @@ GOLDEN = REPO.parent / "shared" / "golden" / "gamerft_motion_tiny.safetensors"
 
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(sample_size=4, channels=8, n_layers=4, n_heads=2, d_model=128, tokens_per_frame=16,
-                n_frames=32, local_window=3, global_window=None)
+                n_frames=32, n_buttons=11, causal=True, rope_impl="motion", local_window=3, global_window=None)
     base.update(overrides)
     return ModelConfig.from_mapping(base)
 
@@ -59,7 +59,15 @@ def rollout(cfg: ModelConfig, frames: int, window: int = 5, **settings):
     return torch.cat(outs, dim=1), pipe, counters["stats"]["unique_graphs"] - graphs
 
 
-GOLDEN_FILES = sorted(GOLDEN.parent.glob("*.safetensors")) if GOLDEN.parent.is_dir() else []
+# Golden files made by the original implementation (float32, CPU): the shared one beside the
+# repo, and ours in tests/golden, made from Wayfarer-Labs/owl-wms branch laptop_inference_v2_bf16
+# (commit 39983ec; each file's ``source`` metadata names it) for the configurations the shared
+# file does not reach: global_window below the window, local_idx 2, head dim 32, 3x3 latents, a
+# 10-frame window, ortho RoPE by default, an unconditional model. Their weights are stored as
+# bf16 values (exact: the original ran on those values in float32).
+REPO_GOLDEN = REPO / "tests" / "golden"
+GOLDEN_FILES = (sorted(GOLDEN.parent.glob("*.safetensors")) if GOLDEN.parent.is_dir() else []) + sorted(
+    REPO_GOLDEN.glob("*.safetensors"))
 
 
 def _meta_value(text: str):
@@ -84,12 +92,34 @@ def load_golden(path: Path) -> dict:
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig.from_mapping({k: _meta_value(v) for k, v in meta.items() if k in fields})
     model = GameRFT(cfg).float().eval()
-    model.core.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    weights = {k[len("model."):]: v.float() for k, v in tensors.items() if k.startswith("model.")}
+    model.core.load_state_dict(weights)
     return {"cfg": cfg, "model": model, "t": tensors, "window": int(meta["window_frames"]),
-            "alpha": float(meta.get("history_alpha", 0.25)), "name": path.stem}
+            "alpha": float(meta.get("history_alpha", 0.25)), "name": path.stem, "weights": weights,
+            "meta": meta}
 
 
-# Every golden file in ../shared/golden runs the parity tests (a new config's file is picked up as is).
+def golden_frames(t: dict) -> int:
+    """Decoded frames in a golden file's tensors."""
+    n = len({k.split(".")[1] for k in t if k.startswith("dec.") and k.endswith(".x0")})
+    assert n > 0
+    return n
+
+
+def golden_decode(pipe, t: dict, frames: int | None = None) -> list[torch.Tensor]:
+    """The golden two-step decode through a pipeline: prefill the file's history (already the
+    noised input), then each frame from its noise and controls; returns every frame's x0."""
+    pipe.prefill(t["dec.hist_x"][0], t["dec.hist_mouse"][0], t["dec.hist_btn"][0], noised=True)
+    return [pipe.generate(t[f"dec.{f}.mouse"][0, 0], t[f"dec.{f}.btn"][0, 0], noise=t[f"dec.{f}.noise"])
+            for f in range(golden_frames(t) if frames is None else frames)]
+
+
+def golden_error(x0: list[torch.Tensor], t: dict) -> float:
+    """Largest |x0 - golden x0| over the frames given."""
+    return max((x - t[f"dec.{f}.x0"]).abs().max().item() for f, x in enumerate(x0))
+
+
+# Every golden file runs the parity tests (a new config's file is picked up as is).
 @pytest.fixture(scope="session", params=GOLDEN_FILES or [GOLDEN], ids=lambda p: p.stem)
 def golden(request):
     if not request.param.is_file():

@@ -1,4 +1,8 @@
-"""Parity with tensors produced by the original implementation (float32, CPU)."""
+"""Parity with tensors produced by the original implementation (float32, CPU).
+
+Every golden file runs every test here (conftest.GOLDEN_FILES): the shared one, and those in
+tests/golden made by Wayfarer-Labs/owl-wms branch laptop_inference_v2_bf16, commit 39983ec
+(its StaticCache and two-step loop, eager FlexAttention in float32 on the CPU)."""
 import pytest
 import torch
 
@@ -6,15 +10,9 @@ from inference.causvid_pipeline import CausvidPipeline
 from owl_wms import attention
 from owl_wms.cache import StaticCache
 
-from .conftest import fp32_settings, tiny_world
+from .conftest import fp32_settings, golden_decode, golden_error, golden_frames, tiny_world
 
 TOL = 1e-4
-
-
-def n_decoded(g) -> int:
-    n = len({k.split(".")[1] for k in g if k.startswith("dec.") and k.endswith(".x0")})
-    assert n > 0
-    return n
 
 
 @pytest.mark.parametrize("backend,chunk_tokens", [("sdpa", 0), ("sdpa", 32), ("sdpa", 48), ("flex", 0)],
@@ -43,7 +41,7 @@ def test_two_step_decode_model_and_cache(golden, backend, chunk_tokens, monkeypa
         model(g["dec.hist_x"], g["dec.hist_t"], g["dec.hist_mouse"], g["dec.hist_btn"], kv_cache=cache)
         cache.disable_cache_updates()
         model.core.transformer.enable_decoding()
-        for f in range(n_decoded(g)):
+        for f in range(golden_frames(g)):
             z, m, b = g[f"dec.{f}.noise"], g[f"dec.{f}.mouse"], g[f"dec.{f}.btn"]
             v1 = model(z, torch.ones(1, 1), m, b, kv_cache=cache)
             x = z - 0.75 * v1
@@ -57,14 +55,63 @@ def test_two_step_decode_model_and_cache(golden, backend, chunk_tokens, monkeypa
             assert all(cache.get_offset(i) == cache.get_offset(0) for i in range(cfg.n_layers))
 
 
+@pytest.mark.parametrize("kv_cache", ["static", "none"], ids=["cache", "no-cache-baseline"])
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_two_step_decode_through_pipeline(golden, backend):
+def test_two_step_decode_through_pipeline(golden, backend, kv_cache):
+    """The pipeline's frames; the no-cache baseline recomputes every frame's window from its
+    inputs, with the history under the frame mask and later frames as decoded."""
+    g = golden["t"]
+    pipe = CausvidPipeline(golden["model"], None, tiny_world(golden["cfg"], golden["window"]),
+                           fp32_settings(backend, kv_cache=kv_cache), verbose=False)
+    assert pipe.alpha == golden["alpha"] and bool((g["dec.hist_t"] == pipe.alpha).all())
+    assert golden_error(golden_decode(pipe, g), g) <= TOL
+    if pipe.cache is not None:
+        assert pipe.cache.get_offset(0) == int(g[f"dec.{golden_frames(g) - 1}.offset"])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_the_backend_setting_picks_the_attention_kernel(golden, backend, monkeypatch):
+    """A parity pass with "flex" must have run FlexAttention (and no SDPA), and "sdpa" the reverse."""
+    calls = {"flex": 0, "sdpa": 0}
+    flex, sdpa = attention._flex_eager, attention.F.scaled_dot_product_attention
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(attention, "_flex_eager", count("flex", flex))
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", count("sdpa", sdpa))
     g = golden["t"]
     pipe = CausvidPipeline(golden["model"], None, tiny_world(golden["cfg"], golden["window"]),
                            fp32_settings(backend), verbose=False)
-    pipe.prefill(g["dec.hist_x"][0], g["dec.hist_mouse"][0], g["dec.hist_btn"][0], noised=True)
-    assert pipe.alpha == golden["alpha"] and bool((g["dec.hist_t"] == pipe.alpha).all())
-    for f in range(n_decoded(g)):
-        x0 = pipe.generate(g[f"dec.{f}.mouse"][0, 0], g[f"dec.{f}.btn"][0, 0], noise=g[f"dec.{f}.noise"])
-        assert (x0 - g[f"dec.{f}.x0"]).abs().max().item() <= TOL
-        assert pipe.cache.get_offset(0) == int(g[f"dec.{f}.offset"])
+    assert golden_error(golden_decode(pipe, g, 1), g) <= TOL
+    layers = golden["cfg"].n_layers
+    assert calls[backend] >= 3 * layers  # prefill + two steps, every layer
+    assert calls["sdpa" if backend == "flex" else "flex"] == 0, calls
+
+
+def test_start_up_line_names_the_rope_kind(golden, capsys):
+    cfg = golden["cfg"]
+    CausvidPipeline(golden["model"], None, tiny_world(cfg, golden["window"]), fp32_settings(), verbose=True)
+    line = capsys.readouterr().out
+    assert f" rope={cfg.rope_impl} " in line, line
+    if "rope_impl" not in golden["meta"]:  # a config without the key means ortho, as in the original
+        assert cfg.rope_impl == "ortho"
+
+
+def test_golden_files_tell_the_decode_rule_from_the_frame_mask(monkeypatch):
+    """The files with global_window below the window catch a decode that keeps the frame mask on
+    global layers: it is off by far more than the tolerance from the first generated frame."""
+    from owl_wms.config import ModelConfig
+
+    from .conftest import REPO_GOLDEN, load_golden
+
+    monkeypatch.setattr(ModelConfig, "decode_window", ModelConfig.layer_window)
+    for name in ("gw_lt_window", "latent3x3", "window10", "ortho_uncond_gw2"):
+        golden = load_golden(REPO_GOLDEN / f"{name}.safetensors")  # built under the wrong rule
+        g = golden["t"]
+        pipe = CausvidPipeline(golden["model"], None, tiny_world(golden["cfg"], golden["window"]), fp32_settings(),
+                               verbose=False)
+        assert golden_error(golden_decode(pipe, g, 1), g) > 1e-2, name

@@ -199,3 +199,138 @@ def test_a_missing_decoder_folder_is_named_with_the_fix(tmp_path):
     (ckpt / "vae").mkdir()
     with pytest.raises(ConfigError, match=r"decoder.path '.*vae' has no config.json"):
         owl_wms.from_pretrained(ckpt / "config.yaml", return_decoder=True)
+
+
+# -- checkpoints as the original trainer writes them ------------------------------------------------
+def trainer_checkpoint(path, cfg, online: dict, ema: dict):
+    """What the original trainer saves: ``{model, ema, opt, steps}``, its model compiled around a
+    DDP wrapper and its ``ema`` an ema-pytorch ``EMA`` of that (keys ``initted``, ``step``,
+    ``online_model._orig_mod.module.core.*``, ``ema_model._orig_mod.module.core.*``)."""
+    from ema_pytorch import EMA
+    from torch import nn
+
+    from owl_wms.model import GameRFT
+
+    class DataParallelNames(nn.Module):  # DDP's ``module.`` naming, without a process group
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = GameRFT(cfg).float()
+    model.core.load_state_dict(online)
+    compiled = torch.compile(DataParallelNames(model))  # never called: only its ``_orig_mod.`` names
+    averaged = EMA(compiled, beta=0.999, update_after_step=0, update_every=1)
+    averaged.ema_model._orig_mod.module.core.load_state_dict(ema)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.core.proj_in.weight.sum().backward()
+    opt.step()  # the optimizer state holds tensors too
+    model.core.load_state_dict(online)
+    torch.save({"model": compiled.module.state_dict(), "ema": averaged.state_dict(), "opt": opt.state_dict(),
+                "steps": 7000}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trainer_file(tmp_path_factory):
+    """A trainer checkpoint whose EMA weights are a golden file's and whose online weights differ."""
+    from .conftest import REPO_GOLDEN, load_golden
+
+    golden = load_golden(REPO_GOLDEN / "gw_lt_window.safetensors")
+    online = {k: v * 0.5 + 0.01 for k, v in golden["weights"].items()}
+    path = trainer_checkpoint(tmp_path_factory.mktemp("trainer") / "step_7000.pt", golden["cfg"], online,
+                              golden["weights"])
+    return path, golden, online
+
+
+def test_trainer_checkpoint_holds_what_the_original_writes(trainer_file):
+    raw = torch.load(trainer_file[0], weights_only=True)
+    assert set(raw) == {"model", "ema", "opt", "steps"}
+    groups = {k.split(".")[0] for k in raw["ema"]}
+    assert groups == {"initted", "step", "online_model", "ema_model"}
+    assert all(k.startswith(("ema_model._orig_mod.module.core.", "online_model._orig_mod.module.core."))
+               for k in raw["ema"] if "." in k)
+    with pytest.raises(RuntimeError, match="Unexpected key"):  # what a plain strict load says of it
+        from owl_wms.model import GameRFT
+
+        GameRFT(trainer_file[1]["cfg"]).core.load_state_dict(raw["ema"])
+
+
+def test_trainer_checkpoint_loads_ema_by_default_and_reproduces_the_golden_decode(trainer_file):
+    from inference.causvid_pipeline import CausvidPipeline
+    from owl_wms.loading import build_model, load_weights, read_weights
+
+    from .conftest import fp32_settings, tiny_world
+    from .conftest import golden_decode, golden_error
+    from .test_golden import TOL
+
+    path, golden, online = trainer_file
+    loaded = read_weights(path)
+    assert loaded.kind == "ema" and loaded.where == "ema: ema_model.*"
+    assert loaded.describe().startswith("ema (ema: ema_model.*, ")
+    model = load_weights(build_model(golden["cfg"]), loaded.tensors, str(path)).float().eval()
+    g = golden["t"]
+    pipe = CausvidPipeline(model, None, tiny_world(golden["cfg"], golden["window"]), fp32_settings(), verbose=False)
+    assert golden_error(golden_decode(pipe, g), g) <= TOL
+    with torch.no_grad():
+        out = model(g["full.x"], g["full.t"], g["full.mouse"], g["full.btn"])
+    assert (out - g["full.out"]).abs().max().item() <= TOL
+
+
+def test_trainer_checkpoint_online_weights_on_request(trainer_file):
+    from owl_wms.loading import read_weights
+
+    path, _, online = trainer_file
+    loaded = read_weights(path, "online")
+    assert loaded.kind == "online" and loaded.where.startswith("model: ")  # the trainer's own entry
+    assert loaded.tensors.keys() == online.keys()
+    assert all(torch.equal(loaded.tensors[k], online[k]) for k in online)
+
+
+def test_pipeline_start_up_line_says_which_weights(tmp_path, capsys):
+    """A world whose weights file is a trainer checkpoint: the start-up line names the set taken."""
+    from inference.causvid_pipeline import CausvidPipeline
+
+    cfg_path = write_config(tmp_path)
+    (tmp_path / "vae").symlink_to(REPO / "checkpoints" / "untrained-tiny" / "vae")
+    from owl_wms.config import load_config
+
+    cfg = load_config(cfg_path).model
+    state = small_state(cfg_path)
+    trainer_checkpoint(tmp_path / "t.pt", cfg, {k: v + 1 for k, v in state.items()}, state)
+    pipe = CausvidPipeline.from_checkpoint(cfg_path, tmp_path / "t.pt", clip=None)
+    assert "weights=ema (ema: ema_model.*," in capsys.readouterr().out
+    loaded = pipe.model.core.state_dict()  # in the pipeline's compute dtype
+    assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in state.items())
+    CausvidPipeline.from_checkpoint(cfg_path, tmp_path / "t.pt", clip=None, weights="online")
+    assert "weights=online (model: core.*," in capsys.readouterr().out
+
+
+def test_ambiguous_checkpoints_are_refused_with_what_they_hold(tmp_path):
+    from owl_wms.loading import read_weights
+
+    state = {"core.proj_in.weight": torch.zeros(2, 2), "core.t_embed.mlp.fc1.bias": torch.zeros(2)}
+    ema_state = {"initted": torch.tensor(True), "step": torch.tensor(3),
+                 **{f"ema_model.{k}": v for k, v in state.items()}}
+    cases = [
+        # EMA copies beside stray tensors: which is the model?
+        ({**ema_state, "proj_in.weight": torch.zeros(2, 2)}, None,
+         r"ambiguous \(EMA copies sit beside 1 other tensors \(proj_in\.\*\)\)"),
+        # two keys that name the same weight once the wrappers are stripped
+        ({**state, "module.core.proj_in.weight": torch.ones(2, 2)}, None,
+         r"keys 'core\.proj_in\.weight' and 'module\.core\.proj_in\.weight' .* both name weight 'proj_in\.weight'"),
+        # asked for weights the file does not have
+        (state, "ema", r"it has no ema weights \(it has: weights \(the file: core\.\*\)\)"),
+        ({"ema": ema_state, "steps": 5}, "online", r"it has no online weights \(it has: ema \(ema: ema_model\.\*\)\)"),
+        # a state_dict entry beside the trainer's entries
+        ({"model": state, "state_dict": state}, None, r"a 'state_dict' entry sits beside other weights"),
+        ({"opt": {"state": {}}, "steps": 3}, None, r"no state dict of tensors found"),
+    ]
+    for i, (obj, choice, message) in enumerate(cases):
+        path = tmp_path / f"{i}.pt"
+        torch.save(obj, path)
+        with pytest.raises(CheckpointError, match=message) as err:
+            read_weights(path, choice)
+        assert str(path) in str(err.value) and "It holds " in str(err.value)
+    torch.save({"model": state, "ema": ema_state, "steps": 5}, tmp_path / "t.pt")
+    with pytest.raises(CheckpointError, match=r"weights='best' is not one of \['ema', 'online'\]"):
+        read_weights(tmp_path / "t.pt", "best")

@@ -91,3 +91,26 @@ def test_heads_must_divide_across_ranks():
     ctx.world = 3
     with pytest.raises(TPError, match="4 attention heads, not divisible by 3"):
         ctx.check_divisible(tiny_config(n_heads=4))
+
+
+@pytest.mark.parametrize("name,ring_mode", [("latent3x3", ""), ("window10", "inplace")])
+def test_tp2_reproduces_the_golden_decode(tmp_path, name, ring_mode):
+    """Heads on 2 ranks follow the original too, global_window below the window included
+    (both files: global layers decode over the whole cache)."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from tests.conftest import REPO_GOLDEN, golden_error, golden_frames, load_golden
+
+    path, out = REPO_GOLDEN / f"{name}.safetensors", tmp_path / "x0.safetensors"
+    golden = load_golden(path)
+    assert golden["cfg"].global_window < golden["window"] and golden["cfg"].n_heads % 2 == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tests.tp_golden_worker", str(path), str(out), ring_mode]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    x0 = load_file(str(out))["x0"]
+    assert x0.shape[1] == golden_frames(golden["t"])
+    err = golden_error(list(x0.split(1, dim=1)), golden["t"])
+    assert err <= 1e-4, err
