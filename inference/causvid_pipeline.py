@@ -346,14 +346,16 @@ class CausvidPipeline:
         r = self._nocache
         cat = lambda key, new: torch.cat([r[key], new], dim=1)  # noqa: E731
         xs, ts, ms, bs = cat("x", x), cat("t", t), cat("mouse", m), cat("buttons", b)
-        # Frames of the history attend under the frame mask as in the prefill, later ones as decoded.
+        # Every frame attends as it did when the cache took it: the history under the frame mask
+        # (the prefill), later frames as decoded, each under the soft-forgetting bias of its time.
         decode_from = max(r["prefill_end"] - r["start"], 0)
-        v = self.core(xs, ts, ms, bs, frame_offset=r["start"], window_cap=self.window, attn_bias=bias,
-                      decode_from=decode_from)[:, -x.shape[1]:]
+        biases = (*r["bias"], *(float(bias),) * x.shape[1])
+        v = self.core(xs, ts, ms, bs, frame_offset=r["start"], window_cap=self.window,
+                      attn_bias=biases if any(biases) else 0.0, decode_from=decode_from)[:, -x.shape[1]:]
         if write:
             drop = max(xs.shape[1] - self._nocache_frames, 0)
-            self._nocache = {"x": xs[:, drop:], "t": ts[:, drop:], "mouse": ms[:, drop:],
-                             "buttons": bs[:, drop:], "start": r["start"] + drop, "prefill_end": r["prefill_end"]}
+            self._nocache = {"x": xs[:, drop:], "t": ts[:, drop:], "mouse": ms[:, drop:], "buttons": bs[:, drop:],
+                             "start": r["start"] + drop, "prefill_end": r["prefill_end"], "bias": biases[drop:]}
         return v
 
     def _reset_cache(self):
@@ -361,7 +363,7 @@ class CausvidPipeline:
             c, s = self.cfg.channels, self.cfg.sample_size
             empty = lambda *shape: self._dev(torch.zeros(1, 0, *shape))  # noqa: E731
             self._nocache = {"x": empty(c, s, s), "t": empty(), "mouse": empty(2), "buttons": empty(11), "start": 0,
-                             "prefill_end": 0}
+                             "prefill_end": 0, "bias": ()}
         elif self.cache is None:
             self.cache = build_cache(self.cache_cfg, self.settings, self.window, plans=self.kv_plan)
             if self.profiler and isinstance(self.cache, QuantizedStaticCache):
@@ -543,9 +545,8 @@ class CausvidPipeline:
             cache_tensors, meta["cache"] = self.cache.state_dict()
             tensors.update({f"cache.{k}": v for k, v in cache_tensors.items()})
         if self._nocache is not None:
-            tensors.update({f"nocache.{k}": v for k, v in self._nocache.items() if k not in ("start", "prefill_end")})
-            meta["nocache_start"] = self._nocache["start"]
-            meta["nocache_prefill_end"] = self._nocache["prefill_end"]
+            tensors.update({f"nocache.{k}": v for k, v in self._nocache.items() if isinstance(v, torch.Tensor)})
+            meta["nocache"] = {k: v for k, v in self._nocache.items() if not isinstance(v, torch.Tensor)}
         return {"tensors": {k: v.detach().clone() for k, v in tensors.items()}, "meta": meta}
 
     @torch.no_grad()
@@ -564,10 +565,9 @@ class CausvidPipeline:
             self._reset_cache()
             self.cache.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("cache.")},
                                        meta["cache"])
-        if "nocache_start" in meta:
+        if "nocache" in meta:
             self._nocache = {k[8:]: self._dev(v) for k, v in tensors.items() if k.startswith("nocache.")}
-            self._nocache["start"] = meta["nocache_start"]
-            self._nocache["prefill_end"] = meta["nocache_prefill_end"]
+            self._nocache.update(meta["nocache"], bias=tuple(meta["nocache"]["bias"]))
         self._anchor.clear()
         self._anchor.extend((tensors[f"anchor.{i}.latent"].clone(), tensors[f"anchor.{i}.mouse"].clone(),
                              tensors[f"anchor.{i}.buttons"].clone()) for i in range(meta["anchor"]))

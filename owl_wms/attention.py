@@ -70,23 +70,23 @@ def widest(window: Window) -> int | None:
     return None if any(w is None for w in window) else max(window)
 
 
-def per_query(window: Window, n_q_frames: int, start: int = 0, device=None):
-    """``window`` for query frames start .. start + n_q_frames - 1: as is when uniform, else a
-    [n, 1] tensor (no limit as a value past any distance)."""
+def per_query(window: Window, device=None):
+    """``window`` as ``frame_visible`` takes it: as is when uniform, else a [n_q, 1] tensor (no
+    limit as a value past any distance)."""
     if not isinstance(window, tuple):
         return window
-    part = window[start:start + n_q_frames]
-    if len(set(part)) == 1:
-        return part[0]
-    big = 1 << 40
-    return torch.tensor([big if w is None else w for w in part], device=device)[:, None]
+    if len(set(window)) == 1:
+        return window[0]
+    return torch.tensor([1 << 40 if w is None else w for w in window], device=device)[:, None]
 
 
 def frame_rule(n_q_frames: int, n_k_frames: int, window: Window, device=None) -> torch.Tensor:
     """Boolean [n_q, n_k] frame visibility; the query frames are the last n_q_frames key frames."""
     q = torch.arange(n_q_frames, device=device) + (n_k_frames - n_q_frames)
     k = torch.arange(n_k_frames, device=device)
-    return frame_visible(q[:, None], k[None, :], per_query(window, n_q_frames, device=device))
+    if isinstance(window, tuple) and len(window) != n_q_frames:
+        raise ValueError(f"{len(window)} per-frame windows for {n_q_frames} query frames")
+    return frame_visible(q[:, None], k[None, :], per_query(window, device))
 
 
 def dense_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window, device=None) -> torch.Tensor:
@@ -122,10 +122,11 @@ def _flex_eager(q, k, v, bm, scale, score_mod=None):
 
 @torch.compiler.disable
 @lru_cache(maxsize=64)
-def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window, bias: float,
+def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window, bias: float | tuple,
                       ring: tuple | None, dtype: torch.dtype, device: str) -> torch.Tensor:
     """Additive [Tq, Tk] mask for soft forgetting: ``bias`` on visible keys of earlier frames
     (cached history), 0 on the query's own frame, -inf where the frame rule hides a key.
+    ``bias`` is one value, or one per query frame (frames written under different biases).
 
     ``ring`` = (query slot, visible slots or None for all) when the keys are ring slots read in
     place (one query frame); otherwise the query frames are the last ``n_q_frames`` key frames.
@@ -140,7 +141,8 @@ def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window
         visible = torch.zeros(1, n_k_frames, dtype=torch.bool)
         visible[0, list(slots) if slots is not None else slice(None)] = True
         history = (torch.arange(n_k_frames) != current)[None]
-    add = torch.where(history, torch.tensor(float(bias)), torch.tensor(0.0))
+    per_frame = torch.tensor(bias if isinstance(bias, tuple) else (bias,), dtype=torch.float32)[:, None]
+    add = torch.where(history, per_frame, torch.tensor(0.0))
     add = add.masked_fill(~visible, float("-inf"))
     return add.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1).to(device, dtype)
 

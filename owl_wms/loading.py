@@ -45,11 +45,12 @@ class Weights:
     """One set of model weights read from a checkpoint, and where in the file it was."""
 
     tensors: dict[str, torch.Tensor]
-    kind: str  # "ema", "online" or "weights" (a file holding one unnamed set)
-    where: str  # the entry and key prefix, e.g. "ema: ema_model.*"
+    kind: str  # "ema", "online" or "state dict" (one set, not named as either)
+    where: str  # the entry and key prefix, e.g. "ema: ema_model.*"; "file" for a plain state dict
 
     def describe(self) -> str:
-        return f"{self.kind} ({self.where}, {len(self.tensors)} tensors)"
+        where = "" if self.where == "file" else f"{self.where}, "
+        return f"{self.kind} ({where}{len(self.tensors)} tensors)"
 
 
 def _read_file(path: Path):
@@ -120,7 +121,7 @@ def _candidates(obj) -> tuple[list[tuple[str, str, dict]], list[str]]:
         ema = {k[len("ema_model."):]: v for k, v in sd.items() if k.startswith("ema_model.")}
         online = {k[len("online_model."):]: v for k, v in sd.items() if k.startswith("online_model.")}
         if not ema and not online:
-            sets.append((plain_kind, f"{entry or 'the file'}: {', '.join(_group(sd))}", sd))
+            sets.append((plain_kind, entry or "file", sd))
             return
         # An ema-pytorch EMA state dict: two model copies and its step counters, nothing else.
         other = sorted(k for k in sd if not k.startswith(("ema_model.", "online_model.")) and k not in EMA_BOOKKEEPING)
@@ -132,14 +133,14 @@ def _candidates(obj) -> tuple[list[tuple[str, str, dict]], list[str]]:
             sets.append(("online", f"{label}online_model.*", online))
 
     if _is_tensor_dict(obj):
-        from_tensors(None, obj, "weights")
+        from_tensors(None, obj, "state dict")
     elif isinstance(obj, dict):
         # The original trainer's {model, ema, opt, steps}; other wrappers keep weights under
         # "state_dict". Entries that are not weights (optimizer, scheduler, counters) are skipped.
-        for entry, kind in (("ema", "ema"), ("model", "online"), ("state_dict", "weights")):
+        for entry, kind in (("ema", "ema"), ("model", "online"), ("state_dict", "state dict")):
             if _is_tensor_dict(obj.get(entry)):
                 from_tensors(entry, obj[entry], kind)
-        if sum(k == "weights" for k, _, _ in sets) and len(sets) > 1:
+        if any(k == "state dict" for k, _, _ in sets) and len(sets) > 1:
             problems.append("a 'state_dict' entry sits beside other weights")
     return sets, problems
 
@@ -181,7 +182,7 @@ def read_weights(path: str | Path, choice: str | None = None) -> Weights:
     else:
         kind = choice
         if kind not in by_kind:
-            have = ", ".join(f"{k} ({w[0][0]})" for k, w in by_kind.items())
+            have = ", ".join(f"{k} ({w[0][0]})" for k, w in by_kind.items())  # e.g. "ema (ema: ema_model.*)"
             refuse(f"it has no {kind} weights (it has: {have}); choose one of those")
     if len(by_kind[kind]) > 1:
         refuse(f"it holds several {kind} weight sets ({', '.join(w for w, _ in by_kind[kind])})")

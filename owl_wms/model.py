@@ -132,7 +132,8 @@ class DiTBlock(nn.Module):
         x = x + self.gate1(self.attn.attend_out(q, k, v, window, backend, mask), cond)
         return x + self.gate2(self.mlp(self.adaln2(x, cond)), cond)
 
-    def forward(self, x, cond, rope, kv_cache, backend, window_cap, bias: float = 0.0, decode_from: int | None = None):
+    def forward(self, x, cond, rope, kv_cache, backend, window_cap, bias: float | tuple = 0.0,
+                decode_from: int | None = None):
         if kv_cache is not None and kv_cache.borrows(self.attn.layer):
             # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
             q = self._pre_q(x, cond, *rope)
@@ -144,7 +145,8 @@ class DiTBlock(nn.Module):
         if bias:  # soft forgetting: an additive mask replaces the boolean rule (zero bias: untouched)
             ring = kv_cache.ring_view(self.attn.layer) if kv_cache is not None else None
             tpf = self.attn.tpf
-            mask = history_bias_mask(q.shape[2] // tpf, k.shape[2] // tpf, tpf, window, float(bias), ring,
+            bias = tuple(map(float, bias)) if isinstance(bias, tuple) else float(bias)
+            mask = history_bias_mask(q.shape[2] // tpf, k.shape[2] // tpf, tpf, window, bias, ring,
                                      q.dtype, str(q.device))
         return self._post(x, cond, q, k, v, mask, window, backend)
 
@@ -185,7 +187,7 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.compile_halves(**kwargs)
 
-    def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float = 0.0,
+    def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float | tuple = 0.0,
                 decode_from: int | None = None):
         backend = self.decode_backend if self.decoding else self.backend
         if decode_from is None and self.decoding and kv_cache is not None:
@@ -228,13 +230,14 @@ class GameRFTCore(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(val.shape)}; expected {[b, n, *tail]} to match x")
 
     def forward(self, x, t, mouse=None, button=None, kv_cache=None, frame_offset: int = 0,
-                window_cap: int | None = None, attn_bias: float = 0.0, decode_from: int | None = None):
+                window_cap: int | None = None, attn_bias: float | tuple = 0.0, decode_from: int | None = None):
         """x [b,n,c,h,w], t [b,n], mouse [b,n,2], button [b,n,11] -> velocity [b,n,c,h,w].
 
         With a cache, positions continue from the cache's token offset; without one they
         start at ``frame_offset``. ``window_cap`` limits every layer's look-back (frames).
         ``attn_bias`` is added to the attention logits of keys from earlier frames (the
-        cached history), never to the query frame's own keys; 0 leaves attention untouched.
+        cached history), never to the query frame's own keys; 0 leaves attention untouched; a
+        tuple gives each query frame its own.
         ``decode_from``: frames from this index on attend as decoded frames (no frame mask on
         global layers, see ModelConfig.decode_window), earlier ones under the frame mask; None
         follows the transformer's decoding switch (all frames one way).

@@ -25,15 +25,34 @@ def rope_dims(cfg: ModelConfig) -> tuple[int, int, int]:
     return t, x, y
 
 
-class MotionRoPE(torch.nn.Module):
-    """Rotary angles for (time, column, row) of each token; no stored buffers."""
-
-    kind = "motion"
+class RoPE(torch.nn.Module):
+    """Rotary angles of absolute token positions; no stored buffers. Subclasses give ``angles``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tpf = cfg.tokens_per_frame
         self.side = cfg.sample_size
+
+    def positions(self, token_offset: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(frame, row, column) of absolute token positions offset..offset+n-1 (int64, host)."""
+        p = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device="cpu")
+        frame, within = p // self.tpf, p % self.tpf
+        return frame, within // self.side, within % self.side
+
+    def angles(self, token_offset: int, n_tokens: int) -> torch.Tensor:
+        """float64 angles [n_tokens, dh/2] for absolute token positions offset..offset+n-1."""
+        raise NotImplementedError
+
+    def cos_sin(self, token_offset: int, n_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.angles(token_offset, n_tokens)
+        return a.cos().float().to(device), a.sin().float().to(device)
+
+
+class MotionRoPE(RoPE):
+    """Angles for (time, column + time, row + time) of each token (``rope_impl: motion``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
         self.delta = float(cfg.rope_ats_delta)
         t, x, y = rope_dims(cfg)
         s = t + x + y
@@ -49,21 +68,14 @@ class MotionRoPE(torch.nn.Module):
         self._axis = axis
 
     def angles(self, token_offset: int, n_tokens: int) -> torch.Tensor:
-        """float64 angles [n_tokens, dh/2] for absolute token positions offset..offset+n-1."""
-        p = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device="cpu")
-        frame, within = p // self.tpf, p % self.tpf
-        row, col = within // self.side, within % self.side
+        frame, row, col = self.positions(token_offset, n_tokens)
         t = frame.double() * self.delta
         half = (self.side - 1) / 2.0
         coords = torch.stack([t + col.double() - half, t + row.double() - half, t], dim=-1)  # [n, 3]
         return coords[:, self._axis] * self._freqs
 
-    def cos_sin(self, token_offset: int, n_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.angles(token_offset, n_tokens)
-        return a.cos().float().to(device), a.sin().float().to(device)
 
-
-class OrthoRoPE(MotionRoPE):
+class OrthoRoPE(RoPE):
     """Axial rotary angles on normalised coordinates (``rope_impl: ortho``).
 
     The original takes rotary-embedding-torch's pixel frequencies f_k = pi * linspace(1, 128,
@@ -74,20 +86,15 @@ class OrthoRoPE(MotionRoPE):
     turn. Frames past n_frames continue the same straight line in time (the original's table
     ended there)."""
 
-    kind = "ortho"
-
     def __init__(self, cfg: ModelConfig):
-        torch.nn.Module.__init__(self)
-        self.tpf, self.side = cfg.tokens_per_frame, cfg.sample_size
+        super().__init__(cfg)
         self.time_step = 2.0 / (cfg.n_frames - 1)
         self.space_step = 2.0 / cfg.sample_size  # linspace(-1, 1, sample_size + 1)
         n = cfg.head_dim // 8
         self._freqs = torch.linspace(1.0, 128.0, n, dtype=torch.float64, device="cpu") * math.pi
 
     def angles(self, token_offset: int, n_tokens: int) -> torch.Tensor:
-        p = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device="cpu")
-        frame, within = p // self.tpf, p % self.tpf
-        row, col = within // self.side, within % self.side
+        frame, row, col = self.positions(token_offset, n_tokens)
         t = frame.double() * self.time_step - 1.0
         y = row.double() * self.space_step - 1.0
         x = col.double() * self.space_step - 1.0
@@ -95,7 +102,7 @@ class OrthoRoPE(MotionRoPE):
         return (coords[:, :, None] * self._freqs).flatten(1)  # axis-major: [t f0..fm, y f0..fm, x .., 0 ..]
 
 
-def make_rope(cfg: ModelConfig) -> MotionRoPE:
+def make_rope(cfg: ModelConfig) -> RoPE:
     return OrthoRoPE(cfg) if cfg.rope_impl == "ortho" else MotionRoPE(cfg)
 
 

@@ -142,3 +142,33 @@ def test_model_output_is_invariant_to_absolute_position():
         far = model(x, t, m, b, frame_offset=100_000)
     assert (near - far).abs().max() < 1e-3 * max(1.0, near.abs().max().item())
     assert not math.isnan(far.sum().item())
+
+
+# Angle rows of the original's OrthoRoPE (laptop_inference_v2_bf16 at 39983ec; head dim 32,
+# sample_size 4, n_frames 24), read off its float32 table after it drops the audio slots.
+ORIGINAL_ORTHO_ROWS = {
+    0: [-3.1415927, -136.13568, -269.12979, -402.12387, -3.1415927, -136.13568, -269.12979, -402.12387,
+        -3.1415927, -136.13568, -269.12979, -402.12387, 0, 0, 0, 0],
+    5: [-3.1415927, -136.13568, -269.12979, -402.12387, -1.5707964, -68.067841, -134.5649, -201.06194,
+        -1.5707964, -68.067841, -134.5649, -201.06194, 0, 0, 0, 0],
+    65: [-2.0488646, -88.784134, -175.51942, -262.25467, -3.1415927, -136.13568, -269.12979, -402.12387,
+         -1.5707964, -68.067841, -134.5649, -201.06194, 0, 0, 0, 0],
+}
+
+
+def test_ortho_rope_angles_are_the_originals_and_continue_past_its_table():
+    from owl_wms.rope import make_rope
+
+    cfg = tiny_config(n_heads=4, n_frames=24, rope_impl="ortho")
+    rope = make_rope(cfg)
+    assert cfg.head_dim == 32 and type(rope).__name__ == "OrthoRoPE"
+    angles = rope.angles(0, 24 * 16)
+    for token, row in ORIGINAL_ORTHO_ROWS.items():
+        assert torch.allclose(angles[token], torch.tensor(row, dtype=torch.float64), rtol=1e-6, atol=2e-5), token
+    # Past the original's 24-frame table the time axis goes on along the same line.
+    later = rope.angles(30 * 16, 16)
+    step = angles[16, :4] - angles[0, :4]
+    assert torch.allclose(later[0, :4], angles[0, :4] + 30 * step, rtol=1e-12, atol=1e-9)
+    assert torch.equal(later[:, 4:], angles[:16, 4:])  # rows, columns and the padding axis repeat per frame
+    with torch.device("meta"):
+        assert torch.equal(make_rope(cfg).angles(0, 24 * 16), angles)

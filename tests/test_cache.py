@@ -102,3 +102,36 @@ def test_teacher_forcing_observe_matches_between_cache_and_baseline():
         if mode == "static":
             assert pipe.cache.get_offset(0) == (5 + 3 + 9) * cfg.tokens_per_frame
     assert (outs["static"] - outs["none"]).abs().max() <= 1e-4
+
+
+def test_modes_agree_where_global_window_is_below_the_window_through_observe_and_bias():
+    """global_window 2 < window 5: the history fills under the frame mask, every later frame
+    (generated or observed) sees the whole window on global layers; the roll, the in-place ring
+    and the no-cache baseline build the same frames, with soft forgetting switched on mid-rollout
+    (the baseline recomputes each frame under the bias it was cached with)."""
+    from owl_wms.settings import Settings
+
+    from .conftest import fp32_settings, random_model, tiny_world
+    from inference.causvid_pipeline import CausvidPipeline
+
+    cfg = tiny_config(global_window=2, local_window=2, local_idx=2)
+    inplace = Settings.resolve({}, {"OWL_RING_MODE": "inplace"}).kv
+    outs = {}
+    for name, extra in (("roll", {}), ("inplace", {"kv": inplace}), ("none", {"kv_cache": "none"})):
+        pipe = CausvidPipeline(random_model(cfg), None, tiny_world(cfg, 5), fp32_settings(**extra), verbose=False)
+        g = torch.Generator().manual_seed(3)
+        pipe.prefill(torch.randn(5, 8, 4, 4, generator=g), torch.randn(5, 2, generator=g), torch.zeros(5, 11))
+        seq = []
+        for i in range(10):
+            m, b = torch.randn(2, generator=g) * 3, (torch.rand(11, generator=g) > 0.6).float()
+            if i == 6:
+                pipe.kv_cache_attention_bias = -1.0
+            if i in (3, 4):  # teacher forcing: a prediction left out of the history, a real frame in
+                seq.append(pipe.generate(m, b, commit=False))
+                pipe.observe(torch.randn(1, 1, 8, 4, 4, generator=g), m, b)
+            else:
+                seq.append(pipe.generate(m, b))
+        outs[name] = torch.cat(seq, dim=1)
+    assert (outs["inplace"] - outs["roll"]).abs().max() <= 1e-4
+    assert (outs["none"] - outs["roll"]).abs().max() <= 1e-4
+    assert outs["roll"].abs().mean() > 0.1

@@ -281,7 +281,7 @@ def test_trainer_checkpoint_online_weights_on_request(trainer_file):
 
     path, _, online = trainer_file
     loaded = read_weights(path, "online")
-    assert loaded.kind == "online" and loaded.where.startswith("model: ")  # the trainer's own entry
+    assert loaded.kind == "online" and loaded.where == "model"  # the trainer's own entry, not the EMA's copy
     assert loaded.tensors.keys() == online.keys()
     assert all(torch.equal(loaded.tensors[k], online[k]) for k in online)
 
@@ -302,7 +302,7 @@ def test_pipeline_start_up_line_says_which_weights(tmp_path, capsys):
     loaded = pipe.model.core.state_dict()  # in the pipeline's compute dtype
     assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in state.items())
     CausvidPipeline.from_checkpoint(cfg_path, tmp_path / "t.pt", clip=None, weights="online")
-    assert "weights=online (model: core.*," in capsys.readouterr().out
+    assert "weights=online (model, " in capsys.readouterr().out
 
 
 def test_ambiguous_checkpoints_are_refused_with_what_they_hold(tmp_path):
@@ -319,7 +319,7 @@ def test_ambiguous_checkpoints_are_refused_with_what_they_hold(tmp_path):
         ({**state, "module.core.proj_in.weight": torch.ones(2, 2)}, None,
          r"keys 'core\.proj_in\.weight' and 'module\.core\.proj_in\.weight' .* both name weight 'proj_in\.weight'"),
         # asked for weights the file does not have
-        (state, "ema", r"it has no ema weights \(it has: weights \(the file: core\.\*\)\)"),
+        (state, "ema", r"it has no ema weights \(it has: state dict \(file\)\)"),
         ({"ema": ema_state, "steps": 5}, "online", r"it has no online weights \(it has: ema \(ema: ema_model\.\*\)\)"),
         # a state_dict entry beside the trainer's entries
         ({"model": state, "state_dict": state}, None, r"a 'state_dict' entry sits beside other weights"),
@@ -334,3 +334,29 @@ def test_ambiguous_checkpoints_are_refused_with_what_they_hold(tmp_path):
     torch.save({"model": state, "ema": ema_state, "steps": 5}, tmp_path / "t.pt")
     with pytest.raises(CheckpointError, match=r"weights='best' is not one of \['ema', 'online'\]"):
         read_weights(tmp_path / "t.pt", "best")
+
+
+def test_game_cli_takes_weights_and_refuses_a_set_the_file_lacks(tmp_path):
+    import subprocess
+    import sys
+
+    cfg_path = write_config(tmp_path)
+    for folder in ("vae", "clips"):
+        (tmp_path / folder).symlink_to(REPO / "checkpoints" / "untrained-tiny" / folder)
+    from owl_wms.config import load_config
+
+    state = small_state(cfg_path)
+    trainer_checkpoint(tmp_path / "t.pt", load_config(cfg_path).model, {k: v + 1 for k, v in state.items()}, state)
+    torch.save({"ema": {f"ema_model.{k}": v for k, v in state.items()}, "steps": 3}, tmp_path / "ema_only.pt")
+
+    def game(ckpt, *extra):
+        return subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--frames", "2",
+                               "--checkpoint", str(cfg_path), "--ckpt", str(ckpt), "--out", str(tmp_path / "x.mp4"),
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    r = game(tmp_path / "t.pt", "--weights", "online")
+    assert r.returncode == 0, r.stderr
+    assert "weights=online (model, " in r.stdout and "rope=motion" in r.stdout
+    r = game(tmp_path / "ema_only.pt", "--weights", "online")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "has no online weights (it has: ema (ema: ema_model.*))" in r.stderr and "It holds entries 'ema'" in r.stderr
