@@ -8,9 +8,8 @@ from owl_wms.layouts import Layout
 from owl_wms.quant import CODECS, Quantizer, ScalePolicy, make_codec, stored_scale
 from owl_wms.settings import KVSettings, Settings, SettingsError
 
-from .conftest import fp32_settings, random_model, tiny_config, tiny_world
+from .conftest import fp32_settings, golden_decode, golden_error, golden_frames, random_model, tiny_config, tiny_world
 from .conftest import rollout as shared_rollout
-from .conftest import golden_decode, golden_error, golden_frames
 from .test_golden import TOL
 
 LAYOUTS = ("roll", "pointer", "inplace")
@@ -537,3 +536,14 @@ def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
         slot = (s.written - 1) % s.capacity
         for n, b in s.bufs.items():
             assert torch.equal(b[:, :, slot].view(torch.uint8), before[n][:, :, slot].view(torch.uint8)), n
+
+
+@pytest.mark.parametrize("layout", ["roll", "pointer", "inplace"])
+def test_every_codec_plans_the_decode_windows(layout):
+    """A decoded frame's global layers read the whole window (global_window 2 only shapes the
+    prefill), local layers their local_window; the in-place ring stores what each layer reads."""
+    cfg = tiny_config(global_window=2, local_window=3, local_idx=2)
+    for storage in ("bf16", "int8", "int4", "fp8_e4m3"):
+        plans = plan_layers(cfg, kv(OWL_KV_STORAGE=storage, OWL_RING_MODE=layout), 6)
+        assert [p.window for p in plans] == [6, 3, 6, 3]
+        assert [p.capacity for p in plans] == ([6, 3, 6, 3] if layout == "inplace" else [6] * 4)
