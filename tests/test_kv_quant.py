@@ -371,9 +371,10 @@ def rollout(cfg, kv_settings, frames, window=5, compile=False):
 @pytest.mark.parametrize("env", [dict(OWL_RING_MODE="pointer"), dict(OWL_RING_MODE="inplace"),
                                  dict(OWL_RING_MODE="pointer", OWL_RING_SCRATCH="0"), dict(OWL_KV_TAIL_ONLY="0"),
                                  dict(OWL_RING_MODE="inplace", OWL_RING_GUARD="1")], ids=str)
-def test_every_bf16_layout_reproduces_the_golden_decode(golden, env):
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_every_bf16_layout_reproduces_the_golden_decode(golden, env, backend):
     g = golden["t"]
-    settings = fp32_settings(kv=kv(**env))
+    settings = fp32_settings(backend, kv=kv(**env))
     pipe = CausvidPipeline(golden["model"], None, tiny_world(golden["cfg"], golden["window"]), settings, verbose=False)
     assert golden_error(golden_decode(pipe, g), g) <= TOL
     assert isinstance(pipe.cache, QuantizedStaticCache)
