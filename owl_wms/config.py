@@ -26,8 +26,8 @@ class ConfigError(ValueError):
 OTHER_MODEL_KINDS = {
     "game_rft_audio": "it is the audio-video GameRFT (video and audio tokens in every frame); this engine "
                       "implements the video-only GameRFT (model_id: game_rft)",
-    "game_mft_audio": "it is the audio-video GameMFT; this engine implements the video-only GameRFT "
-                      "(model_id: game_rft)",
+    "game_mft_audio": "it is the audio-video GameMFT (a mean-flow transformer); this engine implements the "
+                      "video-only GameRFT (model_id: game_rft)",
 }
 OTHER_BACKBONES = {
     "mmdit": "the multi-modal DiT backbone (separate audio and video streams) is not implemented; "
