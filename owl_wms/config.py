@@ -38,6 +38,12 @@ OTHER_BACKBONES = {
 ROPE_KINDS = ("motion", "ortho")
 
 
+def refuse_other_kind(model_id, source: str) -> None:
+    """Refuse a model kind of the original that this engine does not implement, saying what it is."""
+    if model_id in OTHER_MODEL_KINDS:
+        raise ConfigError(f"{source}: model.model_id={model_id!r} is not supported: {OTHER_MODEL_KINDS[model_id]}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The ``model:`` section of an original GameRFT config (ARCHITECTURE Part 1).
@@ -96,8 +102,7 @@ class ModelConfig:
         def bad(key, value, fix):
             raise ConfigError(f"{source}: model.{key}={value!r} is not supported: {fix}")
 
-        if self.model_id in OTHER_MODEL_KINDS:
-            bad("model_id", self.model_id, OTHER_MODEL_KINDS[self.model_id])
+        refuse_other_kind(self.model_id, source)
         if self.model_id != "game_rft":
             bad("model_id", self.model_id, "only 'game_rft' (the video GameRFT) is implemented")
         if self.backbone in OTHER_BACKBONES:
@@ -111,8 +116,9 @@ class ModelConfig:
             bad("causal", self.causal, "the streaming pipeline needs a frame-causal model (causal: true)")
         for key in ("sample_size", "channels", "n_layers", "n_heads", "d_model", "tokens_per_frame", "n_frames"):
             value = getattr(self, key)
-            if (value is not None or key != "n_frames") and (isinstance(value, bool) or not isinstance(value, int)
-                                                             or value < 1):
+            if key == "n_frames" and value is None:  # optional: only ortho RoPE reads it (checked below)
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 bad(key, value, "must be a positive integer")
         if self.patch_size != 1:
             bad("patch_size", self.patch_size, "GameRFT tokens are single latent pixels (patch_size: 1)")
@@ -147,9 +153,7 @@ class ModelConfig:
     @classmethod
     def from_mapping(cls, section: Any, source: str = "config") -> "ModelConfig":
         data = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
-        if data.get("model_id") in OTHER_MODEL_KINDS:  # before the key checks: say what the model is
-            raise ConfigError(f"{source}: model.model_id={data['model_id']!r} is not supported: "
-                              f"{OTHER_MODEL_KINDS[data['model_id']]}")
+        refuse_other_kind(data.get("model_id"), source)  # before the key checks: say what the model is
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}

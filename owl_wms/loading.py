@@ -116,7 +116,7 @@ def _candidates(obj) -> tuple[list[tuple[str, str, dict]], list[str]]:
     ambiguous (reasons; empty when the sets are well defined)."""
     sets, problems = [], []
 
-    def from_tensors(entry: str | None, sd: dict, plain_kind: str):
+    def from_tensors(entry: str | None, sd: dict, plain_kind: str, online_copy: bool = True):
         label = f"{entry}: " if entry else ""
         ema = {k[len("ema_model."):]: v for k, v in sd.items() if k.startswith("ema_model.")}
         online = {k[len("online_model."):]: v for k, v in sd.items() if k.startswith("online_model.")}
@@ -129,7 +129,7 @@ def _candidates(obj) -> tuple[list[tuple[str, str, dict]], list[str]]:
             problems.append(f"{label}EMA copies sit beside {len(other)} other tensors ({', '.join(_group(other))})")
         if ema:
             sets.append(("ema", f"{label}ema_model.*", ema))
-        if online:
+        if online and online_copy:
             sets.append(("online", f"{label}online_model.*", online))
 
     if _is_tensor_dict(obj):
@@ -137,9 +137,12 @@ def _candidates(obj) -> tuple[list[tuple[str, str, dict]], list[str]]:
     elif isinstance(obj, dict):
         # The original trainer's {model, ema, opt, steps}; other wrappers keep weights under
         # "state_dict". Entries that are not weights (optimizer, scheduler, counters) are skipped.
+        # The trainer's "model" entry and the EMA's online copy are the same weights: the entry
+        # stands for both.
+        has_model = _is_tensor_dict(obj.get("model"))
         for entry, kind in (("ema", "ema"), ("model", "online"), ("state_dict", "state dict")):
             if _is_tensor_dict(obj.get(entry)):
-                from_tensors(entry, obj[entry], kind)
+                from_tensors(entry, obj[entry], kind, online_copy=not (entry == "ema" and has_model))
         if any(k == "state dict" for k, _, _ in sets) and len(sets) > 1:
             problems.append("a 'state_dict' entry sits beside other weights")
     return sets, problems
@@ -172,9 +175,6 @@ def read_weights(path: str | Path, choice: str | None = None) -> Weights:
     by_kind: dict[str, list] = {}
     for kind, where, sd in sets:
         by_kind.setdefault(kind, []).append((where, sd))
-    # The trainer's "model" entry and the EMA's online copy are the same weights: prefer the entry.
-    if len(by_kind.get("online", [])) > 1:
-        by_kind["online"] = [w for w in by_kind["online"] if not w[0].startswith("ema:")]
     if choice is None:
         kind = "ema" if "ema" in by_kind else next(iter(by_kind)) if len(by_kind) == 1 else None
         if kind is None:

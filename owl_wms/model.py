@@ -239,8 +239,9 @@ class GameRFTCore(nn.Module):
         cached history), never to the query frame's own keys; 0 leaves attention untouched; a
         tuple gives each query frame its own.
         ``decode_from``: frames from this index on attend as decoded frames (no frame mask on
-        global layers, see ModelConfig.decode_window), earlier ones under the frame mask; None
-        follows the transformer's decoding switch (all frames one way).
+        global layers, see ModelConfig.decode_window), earlier ones under the frame mask; None:
+        over a cache, the transformer's decoding switch decides for all frames, without one the
+        frame mask holds.
         """
         self.check_inputs(x, t, mouse, button)
         b, n, c, h, w = x.shape
