@@ -36,6 +36,9 @@ OTHER_BACKBONES = {
             "this engine runs backbone: dit",
 }
 ROPE_KINDS = ("motion", "ortho")
+# How the mouse enters the conditioning: "sincos" is the original's (original checkpoints need it);
+# "smooth" is an option for worlds trained here (owl_wms.model.SmoothMouseEmbedding)
+MOUSE_EMBEDDINGS = ("sincos", "smooth")
 
 
 def refuse_other_kind(model_id, source: str) -> None:
@@ -79,6 +82,7 @@ class ModelConfig:
     local_window: int | None = None
     global_window: int | None = None
     local_idx: int = 4
+    mouse_embed: str = "sincos"  # not an original key: absent means the original's embedding
 
     @property
     def head_dim(self) -> int:
@@ -137,6 +141,9 @@ class ModelConfig:
             if self.n_frames is None or self.n_frames < 2:
                 bad("n_frames", self.n_frames, "ortho RoPE places frame k at time -1 + 2k/(n_frames - 1), so it "
                                                "needs the n_frames the model was trained with (>= 2)")
+        if self.mouse_embed not in MOUSE_EMBEDDINGS:
+            bad("mouse_embed", self.mouse_embed, f"choose one of {list(MOUSE_EMBEDDINGS)} ('sincos', the "
+                                                 "original's, when absent)")
         if self.n_buttons != 11 or self.n_mouse_axes != 2:
             bad("n_buttons/n_mouse_axes", (self.n_buttons, self.n_mouse_axes), "the controls are 2 mouse axes and 11 buttons")
         if self.local_idx < 1:

@@ -48,6 +48,9 @@ class PolicyStyle:
     sweep_rate: tuple[float, float] = (0.0, 0.0)  # |mouse x| of a held turn, drawn uniformly
     avoid_near: float = 0.9  # start turning away when a wall is this close ahead (middle third of the view),
     avoid_clear: float = 1.6  # stop once the nearest one there is this far
+    retarget: float = 0.0  # per-frame chance to draw a new turn rate (mouse x) wherever the player is, walking
+    retarget_rest: float = 0.0  # or not; the chance that the new rate is no turn at all;
+    retarget_rate: tuple[float, float] = (0.0, 0.0)  # |mouse x| of the others, drawn uniformly
 
 
 # "still": explore, but about a quarter of the frames (stretches of about 9) leave the mouse alone,
@@ -66,6 +69,24 @@ POLICY_STYLES["sweep"] = dataclasses.replace(POLICY_STYLES["still"], sweep_start
 # and 16% of all its frames turn hard in the open, where still's near-wall frames teach a world
 # that walking forward ends at a wall filling the view
 POLICY_STYLES["roam"] = dataclasses.replace(POLICY_STYLES["still"], avoid_near=2.0, avoid_clear=3.0)
+# "turns": turns of random strength and length wherever the player is, walking or standing: each
+# frame draws a new turn rate with chance 0.4 (0.4 of them no turn), so a turn lasts about 2.5
+# frames and the mouse's lag-1 autocorrelation is 0.78 (still's: 0.93, so a world reads the next
+# turn off the history and can ignore the mouse); 22% of all frames turn hard in the open (still:
+# 0.3%), where only the mouse says that the view turns (scripts.policy_stats, corridor 2)
+POLICY_STYLES["turns"] = dataclasses.replace(POLICY_STYLES["still"], persist=0.5, innovation=0.5,
+                                             mouse_std=(1.5, 1.5), retarget=0.4, retarget_rest=0.4,
+                                             retarget_rate=(1.0, 12.0), avoid_near=1.2, avoid_clear=2.0)
+
+
+OPEN_WALL = 1.6  # a frame whose nearest wall ahead is at least this far (grid units) looks into the open
+
+
+def wall_ahead(sim: MazeSim) -> float:
+    """Distance to the nearest wall in the middle third of the simulator's last rendered view
+    (grid units; 9 before the first render): whether a turn happens in the open or at a wall."""
+    depth = sim.depth if sim.depth is not None else np.full(sim.cfg.width, 9.0)
+    return float(depth[len(depth) // 3: 2 * len(depth) // 3].min())
 
 
 def policy_mixture(spec: str) -> tuple[str, ...]:
@@ -103,6 +124,7 @@ class ExplorerPolicy:
         self.mouse = np.zeros(2)
         self.turn = 0.0  # committed turn (mouse x) while avoiding a wall
         self.sweep = 0.0  # held turn (mouse x) in the open
+        self.rate = 0.0  # turn rate (mouse x) of the current retargeted turn
 
     def act(self, sim: MazeSim) -> tuple[list[float], list[int]]:
         rng = self.rng
@@ -113,8 +135,7 @@ class ExplorerPolicy:
             self.held[W_] = False
         self.mouse = self.persist * self.mouse + self.innovation * rng.normal(0, self.mouse_std)
         self.mouse[1] += 0.08 * sim.state.tilt / sim.cfg.tilt_per_px  # drift the view back level
-        depth = sim.depth if sim.depth is not None else np.full(sim.cfg.width, 9.0)
-        centre = depth[len(depth) // 3: 2 * len(depth) // 3].min()
+        centre = wall_ahead(sim)
         if self.style.still_start:  # no draw otherwise: explore and lively stay bit-identical
             self.still = rng.random() < (self.style.still_hold if self.still else self.style.still_start)
         if self.style.sweep_start:  # no draw otherwise, as for still
@@ -122,15 +143,19 @@ class ExplorerPolicy:
                 self.sweep = float(rng.choice([-1, 1]) * rng.uniform(*self.style.sweep_rate))
             elif self.sweep != 0.0 and rng.random() >= self.style.sweep_hold:
                 self.sweep = 0.0
+        if self.style.retarget and rng.random() < self.style.retarget:  # no draw otherwise, as for still
+            rest = rng.random() < self.style.retarget_rest
+            self.rate = 0.0 if rest else float(rng.choice([-1, 1]) * rng.uniform(*self.style.retarget_rate))
         if self.turn == 0.0 and centre < self.style.avoid_near:
             self.turn = float(rng.choice([-1, 1]) * rng.uniform(6, 12))
         elif centre > self.style.avoid_clear:
             self.turn = 0.0
-        if self.still and self.turn == 0.0 and self.sweep == 0.0:
+        if self.still and self.turn == 0.0 and self.sweep == 0.0 and self.rate == 0.0:
             self.mouse = np.zeros(2)  # at rest: when the hand comes back, the motion starts from zero
             return [0.0, 0.0], self.held.astype(int).tolist()
         self.still = False  # a close wall or a held turn brings the hand back
-        mouse = self.mouse + np.array([self.turn or self.sweep, 0.0])  # a close wall overrides a sweep
+        # a close wall overrides a sweep or a retargeted turn
+        mouse = self.mouse + np.array([self.turn or self.sweep or self.rate, 0.0])
         return [round(float(mouse[0]), 3), round(float(mouse[1]), 3)], self.held.astype(int).tolist()
 
 
@@ -170,28 +195,33 @@ def level_clip(coder, seed: int, window: int, future: int, config: SimConfig, na
 
 
 def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: float = 5.0,
-                         near: float = 1.6, corridor: int = 1) -> dict:
+                         near: float = OPEN_WALL, corridor: int = 1) -> dict:
     """How the policy's turns go with walls: the share of frames whose mouse x exceeds ``big``
     in size, and for those and for the rest (|mouse x| < 2) the median distance to the nearest
     wall in the middle third of the view and the share with one nearer than ``near``: what a
     world model trained on the policy's episodes (in a maze of ``corridor``-wide passages) is
     asked to show under a turn; the share of all frames that turn hard with no wall that near
-    (what a scripted turn in the open asks for); and the share with the mouse exactly at rest, (0, 0)."""
+    (what a scripted turn in the open asks for); the share with the mouse exactly at rest, (0, 0);
+    and the lag-1 autocorrelation of mouse x (near 1: the history already says what the next
+    turn is, so a world can ignore the mouse)."""
     turning, steady, at_rest = [], [], []
 
     def watch(sim: MazeSim, mouse):
-        depth = sim.depth[len(sim.depth) // 3: 2 * len(sim.depth) // 3].min()
+        depth = wall_ahead(sim)
         at_rest.append(mouse[0] == 0 and mouse[1] == 0)
         if abs(mouse[0]) > big:
             turning.append(depth)
         elif abs(mouse[0]) < 2:
             steady.append(depth)
 
+    pairs = []
     for seed in range(levels):  # the training episodes of these levels, as generate_data makes them
-        rollout_episode(seed, frames, style=style, watch=watch, config=SimConfig(corridor=corridor))
+        _, mouse, _ = rollout_episode(seed, frames, style=style, watch=watch, config=SimConfig(corridor=corridor))
+        pairs.append(np.stack([mouse[:-1, 0], mouse[1:, 0]]))
     turning, steady = np.array(turning), np.array(steady)
     return {"style": style, "corridor": corridor, "turning_share": len(turning) / (levels * frames),
             "turning_median_wall": float(np.median(turning)), "steady_median_wall": float(np.median(steady)),
             "turning_near_share": float((turning < near).mean()), "steady_near_share": float((steady < near).mean()),
             "turning_open_share": float((turning >= near).sum() / (levels * frames)),
-            "at_rest_share": float(np.mean(at_rest))}
+            "at_rest_share": float(np.mean(at_rest)),
+            "mouse_x_autocorrelation": float(np.corrcoef(np.concatenate(pairs, axis=1))[0, 1])}

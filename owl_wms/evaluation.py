@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from .data import level_clip
+from .data import OPEN_WALL, level_clip, wall_ahead
 from .simulator import MazeSim, SimConfig
 
 
@@ -75,16 +75,22 @@ def autoregressive(pipe, ep: Episode, n: int, actions: Episode | None = None,
 def rollout_sheet(rows: list[tuple[np.ndarray, ...]], every: int, gap: int = 2) -> np.ndarray:
     """One uint8 image of aligned frame sequences [n, H, W, 3], typically (real, predicted): for
     each tuple a row per sequence (the real frames above the predictions), frame indices 1,
-    1 + every, ... as columns, ``gap`` white pixels between tuples; what the PSNR curve means, to the eye."""
+    1 + every, ... as columns, ``gap`` white pixels between tuples; what the PSNR curve means, to the eye.
+    Tuples may hold different numbers of frames (shorter rows end in white)."""
     blocks = []
     for seqs in rows:
         if any(s.shape != seqs[0].shape for s in seqs):
             raise ValueError(f"rollout_sheet: the sequences of one row differ in shape "
                              f"({', '.join(str(tuple(s.shape)) for s in seqs)}); pass aligned frames [n, H, W, 3]")
         pick = slice(0, len(seqs[0]), every)
-        block = np.concatenate([np.concatenate(list(s[pick]), axis=1) for s in seqs])
-        blocks += [block, np.full((gap, block.shape[1], 3), 255, np.uint8)]
-    return np.concatenate(blocks[:-1])
+        blocks.append(np.concatenate([np.concatenate(list(s[pick]), axis=1) for s in seqs]))
+    # a shorter tuple (the last row of a contact sheet) is padded on the right with white
+    width = max(b.shape[1] for b in blocks)
+    rows = []
+    for block in blocks:
+        block = np.pad(block, ((0, 0), (0, width - block.shape[1]), (0, 0)), constant_values=255)
+        rows += [block, np.full((gap, width, 3), 255, np.uint8)]
+    return np.concatenate(rows[:-1])
 
 
 def observe_frame(pipe, frame: np.ndarray, mouse, buttons):
@@ -208,16 +214,22 @@ def held_controls_psnr(pipe, ep: Episode, mouse: list[float], buttons: list[floa
     return [frame_metrics(pipe(mouse, buttons)[0].numpy(), sim.step(mouse, buttons))[0] for _ in range(n)]
 
 
-def turn_following(pipe, ep: Episode, dx: float, n: int, frames: list | None = None) -> tuple[float, float, float]:
-    """Mean horizontal shift per frame (columns, signed by the turn) over ``n`` frames of walking
-    forward (W) with mouse x held at ``dx`` from the episode's real history: of the model's
-    autoregressive frames, of the simulator's, and of the model's teacher-forced frames (each
-    predicted from the simulator's frames so far, shift measured from the last of them: the
-    turn the model makes in one step, before its own frames feed back). ``frames``, when given,
-    receives (simulator's, teacher-forced, autoregressive) frames [n, H, W, 3] after the last real one."""
+def turn_following(pipe, ep: Episode, dx: float, n: int, frames: list | None = None) -> dict:
+    """Horizontal shift per frame (columns, signed by the turn) over ``n`` frames of walking
+    forward (W) with mouse x held at ``dx`` from the episode's real history, frame by frame:
+    ``model`` of the model's autoregressive frames, ``sim`` of the simulator's, ``forced`` of
+    the model's teacher-forced frames (each predicted from the simulator's frames so far, shift
+    measured from the last of them: the turn the model makes in one step, before its own
+    frames feed back), and ``open``, whether the simulator's view had no wall nearer than
+    ``OPEN_WALL`` ahead when the frame's turn was made (a turn in the open: only the mouse says
+    the view turns). ``frames``, when given, receives (simulator's, teacher-forced,
+    autoregressive) frames [n, H, W, 3] after the last real one."""
     mouse, buttons = [float(dx), 0.0], [1.0] + [0.0] * 10
     sim = replay(ep, ep.window)
-    real = [ep.frames[ep.window - 1]] + [sim.step(mouse, buttons) for _ in range(n)]
+    real, is_open = [ep.frames[ep.window - 1]], []
+    for _ in range(n):
+        is_open.append(wall_ahead(sim) >= OPEN_WALL)
+        real.append(sim.step(mouse, buttons))
     pipe.load_clip(ep.clip)
     made = [ep.frames[ep.window - 1]] + [pipe(mouse, buttons)[0].numpy() for _ in range(n)]
     pipe.load_clip(ep.clip)
@@ -228,6 +240,23 @@ def turn_following(pipe, ep: Episode, dx: float, n: int, frames: list | None = N
     if frames is not None:
         frames.append((np.stack(real[1:]), np.stack(forced), np.stack(made[1:])))
     sign = float(np.sign(dx))
-    mean_shift = lambda pairs: sign * float(np.mean([horizontal_shift(a, b) for a, b in pairs]))  # noqa: E731
-    return (mean_shift(zip(made[:-1], made[1:])), mean_shift(zip(real[:-1], real[1:])),
-            mean_shift(zip(real[:-1], forced)))
+    shifts = lambda pairs: [sign * horizontal_shift(a, b) for a, b in pairs]  # noqa: E731
+    return {"model": shifts(zip(made[:-1], made[1:])), "sim": shifts(zip(real[:-1], real[1:])),
+            "forced": shifts(zip(real[:-1], forced)), "open": is_open}
+
+
+def turn_following_summary(turns: list[dict]) -> dict:
+    """The turn diagnostic's figures over runs of ``turn_following``: mean shift per frame of the
+    model's rollout, the simulator and the model's one step, and the model's as shares of the
+    simulator's, over all frames and separately over turns made in the open and at a near wall
+    (a share is None where no frame of that kind was seen)."""
+    out = {}
+    for where, keep in (("", lambda o: True), ("_open", lambda o: o), ("_near_wall", lambda o: not o)):
+        picked = {k: [s for r in turns for s, o in zip(r[k], r["open"]) if keep(o)] for k in ("model", "sim", "forced")}
+        mean = {k: float(np.mean(v)) if v else None for k, v in picked.items()}
+        share = lambda k: mean[k] / mean["sim"] if mean[k] is not None and mean["sim"] else None  # noqa: E731
+        out.update({f"turn_shift_model{where}": mean["model"], f"turn_shift_sim{where}": mean["sim"],
+                    f"turn_shift_teacher_forced{where}": mean["forced"], f"turn_following{where}": share("model"),
+                    f"turn_following_teacher_forced{where}": share("forced"),
+                    f"turn_frames_counted{where}": len(picked["sim"])})
+    return out

@@ -65,6 +65,25 @@ class MouseEmbedding(nn.Module):
         return self.mlp(torch.cat([a, self.sincos(magnitude).to(dtype)], dim=-1))
 
 
+class SmoothMouseEmbedding(nn.Module):
+    """The mouse conditioning of worlds trained here (``mouse_embed: smooth``), not the original's.
+
+    The original feeds the mouse's symlog magnitude through sin/cos features at multiplier 1000,
+    so rates a unit apart get unrelated features and a world must learn each rate on its own.
+    Here a small MLP reads the rate itself (scaled) and its symlog: nearby rates give nearby
+    embeddings, and a turn's strength is a direction the network can scale."""
+
+    def __init__(self, d: int, hidden: int = 512, scale: float = 8.0):
+        super().__init__()
+        self.scale = scale
+        self.mlp = MLP(4, hidden, d)
+
+    def forward(self, mouse):
+        m = mouse.float()
+        features = torch.cat([m / self.scale, m.sign() * torch.log1p(m.abs())], dim=-1)
+        return self.mlp(features.to(self.mlp.fc1.weight.dtype))
+
+
 class ButtonEmbedding(nn.Module):
     def __init__(self, d: int, n_buttons: int = 11):
         super().__init__()
@@ -75,9 +94,9 @@ class ButtonEmbedding(nn.Module):
 
 
 class ControlEmbedding(nn.Module):
-    def __init__(self, d: int, n_buttons: int = 11):
+    def __init__(self, d: int, n_buttons: int = 11, mouse_embed: str = "sincos"):
         super().__init__()
-        self.mouse = MouseEmbedding(d)
+        self.mouse = SmoothMouseEmbedding(d) if mouse_embed == "smooth" else MouseEmbedding(d)
         self.button = ButtonEmbedding(d, n_buttons)
 
     def forward(self, mouse, buttons):
@@ -215,7 +234,7 @@ class GameRFTCore(nn.Module):
         self.proj_in = nn.Linear(config.channels, d, bias=False)
         self.t_embed = TimestepEmbedding(d)
         if not config.uncond:  # an unconditional original has no control weights
-            self.control_embed = ControlEmbedding(d, config.n_buttons)
+            self.control_embed = ControlEmbedding(d, config.n_buttons, config.mouse_embed)
         self.transformer = Transformer(config)
         self.proj_out = FinalLayer(d, config.channels)
         self.rope = make_rope(config)

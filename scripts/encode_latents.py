@@ -2,7 +2,8 @@
 
     python -m scripts.encode_latents --data work/data --vae work/vae/final --out work/latents
 
-Writes ``<out>/ep_*.safetensors`` (raw latents [n, c, 8, 8] + the episode's actions) and
+Writes ``<out>/ep_*.safetensors`` (raw latents [n, c, 8, 8] + the episode's actions and other
+per-frame records) and
 ``<out>/stats.json`` with ``vae_scale`` = the latents' standard deviation, so latents divided
 by it have unit variance, and the episodes' options (policy, corridor) from their manifest,
 which export_checkpoint writes into the checkpoint's config. Resumable: encoded episodes are skipped.
@@ -53,7 +54,8 @@ def main(argv=None):
         t = load_file(str(ep))
         lat = coder.encode_uint8(t["frames"])
         tmp = final.with_suffix(".tmp")
-        save_file({"latents": lat.contiguous(), "mouse": t["mouse"], "buttons": t["buttons"]}, str(tmp), metadata=meta)
+        # the episode's other per-frame records (actions, wall_ahead) travel with its latents
+        save_file({"latents": lat.contiguous(), **{k: v for k, v in t.items() if k != "frames"}}, str(tmp), metadata=meta)
         os.replace(tmp, final)
     sample = torch.cat([load_file(str(p))["latents"] for p in sorted(out.glob("ep_*.safetensors"))[:64]])
     manifest = Path(args.data) / "manifest.json"

@@ -35,7 +35,12 @@ from tqdm import tqdm
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from owl_wms.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
-                                 simulator_responses, standard_error, teacher_forced, turn_following)
+                                 simulator_responses, standard_error, teacher_forced, turn_following,
+                                 turn_following_summary)
+
+
+def fmt(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.2f}"
 
 
 def mean_curve(runs: list[list[tuple[float, float]]], i: int) -> list[float]:
@@ -137,10 +142,9 @@ def main(argv=None):
         "sim_foreign_action_psnr": float(np.median([x for r in sim for x in r["foreign_action"]])),
         "sim_foreign_rollout_psnr_gap_range": float(np.mean([r["foreign_rollout"] for r in sim])),
         # turning: columns per frame the view slides under a held mouse x: the model's rollout,
-        # the simulator, and the model's one step from the simulator's frames (teacher-forced)
-        "turn_shift_model": float(np.mean([m for m, _, _ in turns])),
-        "turn_shift_sim": float(np.mean([r for _, r, _ in turns])),
-        "turn_shift_teacher_forced": float(np.mean([f for _, _, f in turns])),
+        # the simulator, and the model's one step from the simulator's frames (teacher-forced), over
+        # all frames and split by whether the turn was made in the open or facing a near wall
+        **turn_following_summary(turns),
         "turn_dx": args.turn_dx, "turn_frames": args.turn_frames,
         # walking forward from the real history with the mouse at rest, exactly (0, 0), as scripts and a
         # resting player send it, and barely moving: a world that never saw a mouse at rest does worse
@@ -149,8 +153,6 @@ def main(argv=None):
         "sheet_every": args.sheet_every, "turn_sheet_every": max(1, args.sheet_every // 2),
         "sheet_rows": ["simulator", "teacher-forced", "autoregressive"],
     }
-    report["turn_following"] = report["turn_shift_model"] / report["turn_shift_sim"]
-    report["turn_following_teacher_forced"] = report["turn_shift_teacher_forced"] / report["turn_shift_sim"]
     if euler:
         report[f"teacher_forced_psnr_euler{args.euler_steps}"] = float(np.mean([x[0] for r in euler for x in r]))
     (out / "eval.json").write_text(json.dumps(report, indent=2))
@@ -181,7 +183,9 @@ def main(argv=None):
           f"{report['sim_foreign_action_psnr']:.2f} dB, foreign rollout {report['sim_foreign_rollout_psnr_gap_range']:.2f} dB "
           f"(model, true actions: {true_gap:.2f} dB); turn following {report['turn_following']:.2f} "
           f"({report['turn_shift_model']:.2f} of the simulator's {report['turn_shift_sim']:.2f} columns/frame), "
-          f"teacher-forced {report['turn_following_teacher_forced']:.2f}; "
+          f"teacher-forced {report['turn_following_teacher_forced']:.2f} (in the open "
+          f"{fmt(report['turn_following_teacher_forced_open'])}, at a near wall "
+          f"{fmt(report['turn_following_teacher_forced_near_wall'])}); "
           + (f"walking with the mouse at rest {report['rest_walk_psnr']:.2f} dB, barely moving "
              f"{report['nudged_walk_psnr']:.2f} dB" if args.rest_frames else "at-rest diagnostic skipped (--rest-frames 0)")
           + f" -> {out}")

@@ -23,7 +23,7 @@ from huggingface_hub import save_torch_state_dict
 from omegaconf import OmegaConf
 
 from owl_wms.config import SIM_KEYS, load_config
-from owl_wms.data import EPISODE_OPTIONS, episode_options, level_clip
+from owl_wms.data import EPISODE_OPTIONS, OPEN_WALL, episode_options, level_clip
 from owl_wms.loading import CheckpointError, load_weights
 from owl_wms.model import GameRFT
 from owl_wms.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD
@@ -32,6 +32,11 @@ from .bench_pipeline import machine
 
 SHARD_BYTES = 16 * 2**20
 CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,000,000..) seeds
+
+
+def share(value: float | None) -> str:
+    """A turn-following share for MODEL.md ("none seen" where the evaluation met no such frame)."""
+    return "none seen" if value is None else f"{value:.2f}"
 
 
 def train_world_commands(train: dict) -> list[dict]:
@@ -325,7 +330,12 @@ def main(argv=None):
                      f"{ev['turn_following']:.2f} ({ev['turn_shift_model']:.2f} vs {ev['turn_shift_sim']:.2f} "
                      "columns/frame)"
                      + (f"; one step from the simulator's frames (teacher-forced) {ev['turn_following_teacher_forced']:.2f}"
-                        if "turn_following_teacher_forced" in ev else "") + " |"] if "turn_following" in ev else []),
+                        if "turn_following_teacher_forced" in ev else "")
+                     + (f"; in the open {share(ev['turn_following_open'])} (one step "
+                        f"{share(ev['turn_following_teacher_forced_open'])}), facing a wall nearer than "
+                        f"{OPEN_WALL:g} {share(ev['turn_following_near_wall'])} (one step "
+                        f"{share(ev['turn_following_teacher_forced_near_wall'])})"
+                        if "turn_following_open" in ev else "") + " |"] if "turn_following" in ev else []),
                   *([f"| diagnostic: walking forward from the real history with the mouse at rest, exactly (0, 0), "
                      f"against barely moving, (0.3, 0.1), PSNR vs simulator over {ev['rest_frames']} frames | "
                      f"{ev['rest_walk_psnr']:.2f} dB against {ev['nudged_walk_psnr']:.2f} dB |"]

@@ -5,14 +5,17 @@
 ``--policy still+explore`` mixes styles: episode k (level seed - seed) takes style k mod their number.
 
 One safetensors file per episode (``frames`` uint8 [n,H,W,3], ``mouse`` [n,2], ``buttons``
-[n,11]; metadata: level seed). Level seeds are ``seed + i``; held-out evaluation uses
-seeds from ``owl_wms.data.HELD_OUT_SEED`` up. Resumable: finished episodes are skipped;
+[n,11], ``wall_ahead`` [n]: the nearest wall ahead when each action was chosen, so training can
+find the turns made in the open; metadata: level seed). Level seeds are ``seed + i``; held-out
+evaluation uses seeds from ``owl_wms.data.HELD_OUT_SEED`` up. ``--workers N`` renders N episodes
+at once (the files are those one process writes). Resumable: finished episodes are skipped;
 each file is written to a temporary name and renamed, so a stopped run leaves no half file.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -20,9 +23,28 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from owl_wms.data import EPISODE_OPTIONS, POLICY_STYLES, episode_options, episode_style, policy_mixture, rollout_episode
+from owl_wms.data import (EPISODE_OPTIONS, POLICY_STYLES, episode_options, episode_style, policy_mixture, rollout_episode,
+                          wall_ahead)
 from owl_wms.simulator import SimConfig
 from owl_wms.training import file_stage_clock
+
+
+def write_episode(level: int, frames: int, cfg: SimConfig, style: str, out: str) -> None:
+    """Render one level's episode into ``out``/ep_<level>.safetensors (written whole or not at all)."""
+    seen = []
+    images, mouse, buttons = rollout_episode(level, frames, config=cfg, style=style,
+                                             watch=lambda sim, _: seen.append(wall_ahead(sim)))
+    final = Path(out) / f"ep_{level:06d}.safetensors"
+    tmp = final.with_suffix(".tmp")
+    save_file({"frames": torch.from_numpy(images), "mouse": torch.from_numpy(mouse),
+               "buttons": torch.from_numpy(buttons), "wall_ahead": torch.tensor(seen, dtype=torch.float32)},
+              str(tmp), metadata={"level_seed": str(level)})
+    os.replace(tmp, final)
+
+
+def write_episode_job(job: tuple) -> None:
+    torch.set_num_threads(1)  # each worker is one process of numpy rendering
+    write_episode(*job)
 
 
 def main(argv=None):
@@ -38,7 +60,10 @@ def main(argv=None):
                    help=f"mouse style of the exploring policy (owl_wms.data): one of {sorted(POLICY_STYLES)}, or "
                         "several joined by '+' that episodes take in turn (still+explore: even episodes still, odd "
                         "explore, counted from --seed)")
+    p.add_argument("--workers", type=int, default=1, help="episodes rendered at once (processes)")
     args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers {args.workers}: must be >= 1")
     try:
         policy_mixture(args.policy)
     except ValueError as exc:
@@ -60,14 +85,17 @@ def main(argv=None):
                                  f"for {now}. Use another --out, or delete {out} to start over")
     todo = [s for s in range(args.seed, args.seed + args.episodes) if not (out / f"ep_{s:06d}.safetensors").exists()]
     stage_time = file_stage_clock(before, args.episodes, len(todo))
-    for level in tqdm(todo, desc="episodes", unit="ep", initial=args.episodes - len(todo), total=args.episodes):
-        frames, mouse, buttons = rollout_episode(level, args.frames, config=cfg,
-                                                 style=episode_style(args.policy, level - args.seed))
-        final = out / f"ep_{level:06d}.safetensors"
-        tmp = final.with_suffix(".tmp")
-        save_file({"frames": torch.from_numpy(frames), "mouse": torch.from_numpy(mouse),
-                   "buttons": torch.from_numpy(buttons)}, str(tmp), metadata={"level_seed": str(level)})
-        os.replace(tmp, final)
+    jobs = [(level, args.frames, cfg, episode_style(args.policy, level - args.seed), str(out)) for level in todo]
+    bar = tqdm(desc="episodes", unit="ep", initial=args.episodes - len(todo), total=args.episodes)
+    if args.workers == 1:
+        for job in jobs:
+            write_episode(*job)
+            bar.update(1)
+    else:
+        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+            for _ in pool.imap_unordered(write_episode_job, jobs):
+                bar.update(1)
+    bar.close()
     manifest.write_text(json.dumps({
         "episodes": args.episodes, "frames": args.frames, "size": args.size, "first_seed": args.seed, "policy": args.policy,
         "corridor": args.corridor, "supersample": cfg.supersample, **stage_time()}, indent=2))

@@ -19,21 +19,8 @@ LATENTS=work/latents_still+explore_corridor2
 VAE=work/vae_decoder/final
 LOG=work/chain_times.tsv
 mkdir -p work
-{
-  echo -e "# machine\t$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1), $(nproc) threads, torch $($PY -c 'import torch; print(torch.__version__)')${DEVICE:+, --device $DEVICE}"
-  echo -e "# started\t$(date -u +%FT%TZ)"
-  echo -e "stage\tseconds"
-} > "$LOG"
-START=$(date +%s)
-
-stage() {  # stage NAME COMMAND...: run it, append its wall time
-  local name=$1 t0
-  shift
-  echo "== $name: $*"
-  t0=$(date +%s)
-  "$@"
-  echo -e "$name\t$(( $(date +%s) - t0 ))" >> "$LOG"
-}
+. scripts/stage_times.sh
+start_stage_log "$LOG" "${DEVICE:+--device $DEVICE}"
 
 stage vae_data     $PY -m scripts.generate_data
 stage vae          $PY -m scripts.train_vae --steps 5000 "${DEV[@]}"
@@ -49,6 +36,6 @@ stage export       $PY -m scripts.export_checkpoint --latents $LATENTS --data $D
 stage eval         $PY -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world
 stage model_card   $PY -m scripts.export_checkpoint --latents $LATENTS --data $DATA --vae $VAE --world work/ft128_more --eval eval/maze-world/eval.json
 
-echo -e "total\t$(( $(date +%s) - START ))" >> "$LOG"
+end_stage_log
 cp "$LOG" checkpoints/maze-world/chain_times.tsv  # the shipped world keeps the times of the run that made it
 cat "$LOG"

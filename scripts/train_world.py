@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 from tqdm import tqdm
 
 from owl_wms.config import load_config
 from owl_wms.loading import load_weights, read_state_dict
 from owl_wms.model import GameRFT
-from owl_wms.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD, RunLog, load_training_state, save_training_state
+from owl_wms.training import (DEFAULT_WORLD_CONFIG, WORLD_RECORD, RunLog, load_training_state, save_training_state,
+                              warmup_cosine)
 from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
 
 # Flags that change what is trained (not where it is read, written or run), so MODEL.md's
 # recipe repeats the ones a run set away from their defaults.
 RECIPE_FLAGS = ("config", "frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "distill", "seed", "init",
-                "fp32", "compile")
+                "fp32", "compile", "open_turn_weight", "seconds")
 
 
 def recipe_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
@@ -44,6 +47,29 @@ def base_record(init: str) -> dict | None:
     the checkpoint), so MODEL.md can list the whole chain; None when it has none."""
     path = Path(init) / WORLD_RECORD
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+class StepBudget:
+    """How many steps fit a wall-clock budget: steps 1..``warm`` of the run are not timed (the
+    compile happens in them), steps ``warm``..``warm + timed`` are, and the rest of the budget
+    is spent at that pace."""
+
+    def __init__(self, seconds: float, start_step: int, warm: int = 5, timed: int = 20):
+        self.seconds, self.t0, self.start = seconds, time.time(), start_step
+        self.t_warm = self.t0
+        self.warm, self.timed = start_step + warm, start_step + warm + timed
+        self.fitted = self.per_step = None
+
+    def fit(self, step: int, cap: int) -> int | None:
+        """After ``step``: the fitted step count, once, when the timed steps are done (else None)."""
+        if step == self.warm:
+            self.t_warm = time.time()
+        if step != self.timed or self.fitted is not None:
+            return None
+        self.per_step = max(1e-9, (time.time() - self.t_warm) / (self.timed - self.warm))
+        left = self.seconds - (time.time() - self.t0)
+        self.fitted = min(cap, step + max(0, int(left / self.per_step)))
+        return self.fitted
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,6 +91,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", type=int, default=0, metavar="STEPS",
                    help="with --init: step distillation of the sampler's first step; its target is the "
                         "--init model's STEPS-step Euler solve to the next level (0: off)")
+    p.add_argument("--open-turn-weight", type=float, default=0.0,
+                   help="draw training windows in proportion to 1 + this x their share of hard turns in the open "
+                        "(episodes record wall_ahead; 0: uniform)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="a wall-clock budget for this run's steps: after a few timed steps (compile included "
+                        "before them) --steps becomes the number that fits, and the cosine schedule ends there "
+                        "(--steps stays the upper bound)")
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="checkpoint folder to fine-tune (default: random weights)")
@@ -95,7 +128,14 @@ def main(argv=None):
     if args.distill and init is None:
         raise SystemExit(f"error: --distill {args.distill} needs a teacher: pass the trained checkpoint as --init")
     vae_scale = init.vae_scale if init is not None else stats["vae_scale"]
-    data = LatentEpisodes(args.latents, vae_scale, frames)
+    if args.seconds is not None and args.seconds <= 0:
+        raise SystemExit(f"error: --seconds {args.seconds:g} must be > 0 (a wall-clock budget), or left out")
+    try:
+        data = LatentEpisodes(args.latents, vae_scale, frames, args.open_turn_weight)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"error: --latents {args.latents}: {exc}") from None
+    if args.compile:  # a compiler failure on a new machine costs speed, not the run: eager, with its message
+        torch._dynamo.config.suppress_errors = True
     torch.manual_seed(args.seed)
     model, ema, opt, sched = world_trainer(world.model, args.lr, args.steps, args.device, args.compile)
     gen = torch.Generator().manual_seed(args.seed)
@@ -123,6 +163,7 @@ def main(argv=None):
         load_weights(teacher, state, str(weights))
     losses = []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
+    budget = StepBudget(args.seconds, step) if args.seconds else None
     while step < args.steps:
         x, m, b = data.batch(args.batch, gen)
         t = sample_times(x.shape[0], x.shape[1], gen, args.pipeline_frac, world.pipeline.history_alpha,
@@ -133,6 +174,12 @@ def main(argv=None):
                           teacher_steps=args.distill)
         step += 1
         losses.append(loss.item())
+        if budget is not None and budget.fit(step, args.steps) is not None:
+            args.steps = budget.fitted
+            clock.now["target"] = args.steps
+            sched.lr_lambdas[0] = warmup_cosine(args.steps, max(1, args.steps // 50))
+            bar.total = args.steps
+            print(f"--seconds {args.seconds:g}: {budget.per_step * 1000:.1f} ms per step -> {args.steps} steps")
         bar.update(1)
         bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
         if step % args.save_every == 0 or step == args.steps:

@@ -284,7 +284,11 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert "`eval_turns.png`" in card and (tmp_path / "ckpt" / "eval_turns.png").is_file()
     assert f"one in {report['turn_sheet_every']}; simulator, teacher-forced, autoregressive, one row each" in card
     assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
-    assert f"(teacher-forced) {report['turn_following_teacher_forced']:.2f} |" in card
+    assert f"(teacher-forced) {report['turn_following_teacher_forced']:.2f}; in the open " in card
+    from scripts.export_checkpoint import share
+
+    assert (f"facing a wall nearer than 1.6 {share(report['turn_following_near_wall'])} (one step "
+            f"{share(report['turn_following_teacher_forced_near_wall'])}) |") in card
     assert f"| {report['rest_walk_psnr']:.2f} dB against {report['nudged_walk_psnr']:.2f} dB |" in card
     # an evaluation from before the teacher-forced row (the shipped MODEL.md's) keeps its wording
     old = {k: v for k, v in report.items() if k not in ("sheet_rows", "turn_following_teacher_forced")}

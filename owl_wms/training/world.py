@@ -15,14 +15,19 @@ import torch
 from safetensors.torch import load_file
 
 from ..cache import StaticCache
+from ..data import OPEN_WALL
 from ..model import GameRFT
 from . import warmup_cosine
 
 
 class LatentEpisodes:
-    """All encoded episodes in memory; windows of ``frames`` consecutive frames."""
+    """All encoded episodes in memory; windows of ``frames`` consecutive frames.
 
-    def __init__(self, folder: str | Path, vae_scale: float, frames: int):
+    ``open_turn_weight`` > 0 draws windows in proportion to 1 + weight x their share of frames
+    that turn hard (|mouse x| > 5) with no wall near ahead (episodes from generate_data record
+    ``wall_ahead``), so training sees the turns only the mouse explains; 0 draws uniformly."""
+
+    def __init__(self, folder: str | Path, vae_scale: float, frames: int, open_turn_weight: float = 0.0):
         paths = sorted(Path(folder).glob("ep_*.safetensors"))
         if not paths:
             raise FileNotFoundError(f"no encoded episodes in {str(folder)!r}; run scripts.encode_latents first")
@@ -33,12 +38,33 @@ class LatentEpisodes:
         self.frames = frames
         if min(x.shape[0] for x in self.latents) < frames:
             raise ValueError(f"episodes are shorter than the training window of {frames} frames")
+        self.window_weights = None
+        if open_turn_weight < 0:
+            raise ValueError(f"open_turn_weight {open_turn_weight} must be >= 0 (0: uniform windows)")
+        if open_turn_weight > 0:
+            lacking = [p.name for p, e in zip(paths, eps) if "wall_ahead" not in e]
+            if lacking:
+                raise ValueError(f"open_turn_weight needs each episode's wall_ahead record, which {lacking[0]} "
+                                 f"(and {len(lacking) - 1} more) lacks: regenerate the data with "
+                                 f"scripts.generate_data and encode it again, or use weight 0")
+            self.window_weights = torch.cat([1 + open_turn_weight * self.open_turn_share(e["mouse"], e["wall_ahead"])
+                                             for e in eps])
+            self.starts = [(i, s) for i, x in enumerate(self.latents) for s in range(x.shape[0] - frames + 1)]
+
+    def open_turn_share(self, mouse: torch.Tensor, wall: torch.Tensor) -> torch.Tensor:
+        """Per window start, the share of its frames that turn hard in the open."""
+        hits = ((mouse[:, 0].abs() > 5) & (wall >= OPEN_WALL)).float()
+        return hits.unfold(0, self.frames, 1).mean(-1)
 
     def batch(self, size: int, gen: torch.Generator):
-        ep = torch.randint(0, len(self.latents), (size,), generator=gen).tolist()
+        if self.window_weights is not None:
+            picks = [self.starts[i] for i in torch.multinomial(self.window_weights, size, True, generator=gen).tolist()]
+        else:
+            ep = torch.randint(0, len(self.latents), (size,), generator=gen).tolist()
+            picks = [(e, int(torch.randint(0, self.latents[e].shape[0] - self.frames + 1, (1,), generator=gen)))
+                     for e in ep]
         xs, ms, bs = [], [], []
-        for e in ep:
-            start = int(torch.randint(0, self.latents[e].shape[0] - self.frames + 1, (1,), generator=gen))
+        for e, start in picks:
             s = slice(start, start + self.frames)
             xs.append(self.latents[e][s])
             ms.append(self.mouse[e][s])

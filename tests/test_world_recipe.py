@@ -1,0 +1,122 @@
+"""The one-command recipe (scripts/world_gpu.sh) and the pieces it adds to the training chain:
+episodes rendered by several processes, a wall-clock training budget, a contact sheet of any length."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .conftest import REPO
+
+
+def test_workers_render_the_episodes_one_process_renders(tmp_path):
+    """--workers 2 writes the files --workers 1 writes, with each action's wall distance."""
+    from scripts import generate_data
+
+    for workers in (1, 2):
+        generate_data.main(["--out", str(tmp_path / f"w{workers}"), "--episodes", "3", "--frames", "10", "--seed", "11",
+                            "--policy", "turns", "--corridor", "2", "--workers", str(workers)])
+    for level in range(11, 14):
+        one, two = (load_file(str(tmp_path / f"w{w}" / f"ep_{level:06d}.safetensors")) for w in (1, 2))
+        assert one.keys() == two.keys() == {"frames", "mouse", "buttons", "wall_ahead"}
+        assert all(torch.equal(one[k], two[k]) for k in one)
+        assert one["wall_ahead"].shape == (10,) and (one["wall_ahead"] > 0).all()
+    with pytest.raises(SystemExit):
+        generate_data.main(["--out", str(tmp_path / "bad"), "--workers", "0"])
+
+
+def test_step_budget_fits_the_steps_left_at_the_measured_pace(monkeypatch):
+    from scripts import train_world
+
+    now = [100.0]
+    monkeypatch.setattr(train_world.time, "time", lambda: now[0])
+    budget = train_world.StepBudget(60.0, start_step=0, warm=2, timed=4)
+    now[0] += 10  # the compile, in the untimed steps
+    assert budget.fit(1, 1000) is None
+    assert budget.fit(2, 1000) is None
+    for step in (3, 4, 5):
+        now[0] += 0.5
+        assert budget.fit(step, 1000) is None
+    now[0] += 0.5
+    assert budget.fit(6, 1000) == 6 + int((60 - 12) / 0.5)  # 12 s spent, 0.5 s a step
+    assert budget.per_step == 0.5 and budget.fit(7, 1000) is None  # fitted once
+    assert train_world.StepBudget(60.0, 0, 2, 4).fit(6, 1000) == 1000  # no time taken: the cap
+    tight = train_world.StepBudget(1.0, 0, 2, 4)
+    now[0] += 5
+    tight.fit(2, 1000)
+    assert tight.fit(6, 1000) == 6  # the budget is spent: stop here
+
+
+def test_train_world_spends_its_seconds_and_ends_its_schedule_there(tmp_path, capsys):
+    from scripts import generate_data, encode_latents, train_world
+
+    generate_data.main(["--out", str(tmp_path / "data"), "--episodes", "2", "--frames", "12", "--seed", "3",
+                        "--policy", "turns"])
+    encode_latents.main(["--data", str(tmp_path / "data"), "--vae", str(REPO / "checkpoints/maze-world/vae"),
+                         "--out", str(tmp_path / "latents")])
+    config = tiny_config(tmp_path)
+    train_world.main(["--config", str(config), "--latents", str(tmp_path / "latents"), "--out", str(tmp_path / "w"),
+                      "--batch", "1", "--steps", "100000", "--seconds", "0.01", "--fp32", "--open-turn-weight", "2"])
+    out = capsys.readouterr().out
+    assert "--seconds 0.01:" in out and "-> 25 steps" in out
+    record = json.loads((tmp_path / "w" / "train_metrics.json").read_text())
+    assert record["steps"] == 25 and record["runs"][-1]["target"] == 25
+    assert "--seconds 0.01" in record["runs"][-1]["options"] and "--open-turn-weight 2" in record["runs"][-1]["options"]
+    with pytest.raises(SystemExit, match="--seconds 0 must be > 0"):
+        train_world.main(["--config", str(config), "--latents", str(tmp_path / "latents"), "--out", str(tmp_path / "x"),
+                          "--seconds", "0"])
+
+
+def tiny_config(tmp_path):
+    """The smooth-mouse world's config at two layers and a 6-frame window: fast on any CPU."""
+    text = (REPO / "configs" / "maze_world_d128_smooth.yaml").read_text()
+    text = text.replace("n_layers: 8", "n_layers: 2").replace("window_frames: 32", "window_frames: 6") \
+               .replace("n_frames: 32", "n_frames: 6")
+    (tmp_path / "tiny.yaml").write_text(text)
+    return tmp_path / "tiny.yaml"
+
+
+def test_the_recipe_makes_checkpoints_from_nothing(tmp_path):
+    """scripts/world_gpu.sh at a tiny size on the CPU: data, encode, two variants trained side by
+    side for a time budget, each exported as a checkpoint that plays, with every stage timed."""
+    config = tiny_config(tmp_path)
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "EPISODES": "2", "FRAMES": "12", "WORKERS": "2",
+           "TRAIN_SECONDS": "1", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32", "CLIP_FUTURE": "8",
+           "VARIANTS": f"open:turns:{config}:2 plain:turns:{config}:0"}
+    proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    times = (tmp_path / "run" / "times.tsv").read_text()
+    assert [line.split("\t")[0] for line in times.splitlines()[3:]] == ["data", "encode", "train", "export", "total"]
+    assert "--device cpu" in times.splitlines()[0]
+    for name in ("open", "plain"):
+        ckpt = tmp_path / "run" / name / "checkpoint"
+        assert all(f.stat().st_size <= 16 * 2**20 for f in ckpt.rglob("*") if f.is_file())
+        record = json.loads((ckpt / "world_training.json").read_text())
+        assert record["data"]["options"]["policy"] == "turns" and record["steps"] == 25
+        from inference.causvid_pipeline import CausvidPipeline
+
+        pipe = CausvidPipeline.from_checkpoint(ckpt)
+        frame, _ = pipe([4.0, 0.0], [1] + [0] * 10)
+        assert frame.dtype == torch.uint8 and frame.shape == (64, 64, 3)
+    assert "--open-turn-weight 2" in json.loads((tmp_path / "run/open/checkpoint/world_training.json").read_text()) \
+        ["runs"][-1]["options"]
+
+
+def test_a_contact_sheet_of_any_length(tmp_path):
+    """20 frames at 16 to a row: the last row holds 4 and ends in white (it used to crash)."""
+    from inference.game_cv import save_sheet
+
+    shown = [(np.full((8, 8, 3), i, np.uint8),) for i in range(20)]
+    save_sheet(tmp_path / "s.png", shown, every=1)
+    import matplotlib.image
+
+    sheet = (matplotlib.image.imread(tmp_path / "s.png")[..., :3] * 255).round().astype(np.uint8)
+    assert sheet.shape[:2] == (8 + 2 + 8, 16 * 8)
+    assert sheet[10, 3 * 8, 0] == 19 and (sheet[10:, 4 * 8:] == 255).all()
+    save_sheet(tmp_path / "t.png", shown[:5], every=3)  # 5 frames, every 3rd: frames 1 and 4
+    assert matplotlib.image.imread(tmp_path / "t.png").shape[:2] == (8, 2 * 8)
