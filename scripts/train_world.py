@@ -55,7 +55,7 @@ class StepBudget:
     is spent at that pace."""
 
     def __init__(self, seconds: float, start_step: int, warm: int = 5, timed: int = 20):
-        self.seconds, self.t0, self.start = seconds, time.time(), start_step
+        self.seconds, self.t0 = seconds, time.time()
         self.t_warm = self.t0
         self.warm, self.timed = start_step + warm, start_step + warm + timed
         self.fitted = self.per_step = None

@@ -39,6 +39,8 @@ def test_eval_command_on_two_short_episodes(tmp_path):
                                                   "nudged_walk_psnr"))
     assert report["rest_walk_psnr"] != report["nudged_walk_psnr"]  # the two mice are two inputs
     assert report["turn_shift_sim"] > 0.5  # the simulator's view slides under a held turn
+    # every turn step is counted once, in the open or facing a near wall (2 levels x 2 turns x 16 frames)
+    assert report["turn_frames_counted_open"] + report["turn_frames_counted_near_wall"] == report["turn_frames_counted"] == 64
     assert abs(report["ar_psnr_gap_range"] - report["ar_psnr_foreign_actions_gap_range"]
                - report["action_gap_db"]) < 1e-9
     # the target figures level by level: their means are the report's figures
