@@ -80,6 +80,7 @@ POLICY_STYLES["turns"] = dataclasses.replace(POLICY_STYLES["still"], persist=0.5
 
 
 OPEN_WALL = 1.6  # a frame whose nearest wall ahead is at least this far (grid units) looks into the open
+HARD_TURN = 5.0  # a frame whose |mouse x| exceeds this turns hard
 
 
 def wall_ahead(sim: MazeSim) -> float:
@@ -194,7 +195,7 @@ def level_clip(coder, seed: int, window: int, future: int, config: SimConfig, na
     return clip, frames
 
 
-def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: float = 5.0,
+def turn_wall_statistics(style: str, levels: int = 16, frames: int = 256, big: float = HARD_TURN,
                          near: float = OPEN_WALL, corridor: int = 1) -> dict:
     """How the policy's turns go with walls: the share of frames whose mouse x exceeds ``big``
     in size, and for those and for the rest (|mouse x| < 2) the median distance to the nearest

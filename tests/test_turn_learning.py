@@ -123,8 +123,12 @@ def test_turn_following_is_reported_in_the_open_and_at_a_near_wall():
     assert none_near["turn_following_near_wall"] is None and none_near["turn_frames_counted_near_wall"] == 0
 
 
-def test_the_open_threshold_is_the_statistics_one():
-    """Training's window weights, the evaluation's split and policy_stats call the same frames open."""
+def test_the_open_and_hard_turn_thresholds_are_the_statistics_ones():
+    """Training's window weights, the evaluation's split and policy_stats call the same frames open
+    and the same turns hard."""
     import inspect
 
-    assert inspect.signature(turn_wall_statistics).parameters["near"].default == OPEN_WALL
+    from owl_wms.data import HARD_TURN
+
+    params = inspect.signature(turn_wall_statistics).parameters
+    assert params["near"].default == OPEN_WALL and params["big"].default == HARD_TURN

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..cache import StaticCache
-from ..data import OPEN_WALL
+from ..data import HARD_TURN, OPEN_WALL
 from ..model import GameRFT
 from . import warmup_cosine
 
@@ -24,7 +24,7 @@ class LatentEpisodes:
     """All encoded episodes in memory; windows of ``frames`` consecutive frames.
 
     ``open_turn_weight`` > 0 draws windows in proportion to 1 + weight x their share of frames
-    that turn hard (|mouse x| > 5) with no wall near ahead (episodes from generate_data record
+    that turn hard (|mouse x| > HARD_TURN) with no wall near ahead (episodes from generate_data record
     ``wall_ahead``), so training sees the turns only the mouse explains; 0 draws uniformly."""
 
     def __init__(self, folder: str | Path, vae_scale: float, frames: int, open_turn_weight: float = 0.0):
@@ -53,7 +53,7 @@ class LatentEpisodes:
 
     def open_turn_share(self, mouse: torch.Tensor, wall: torch.Tensor) -> torch.Tensor:
         """Per window start, the share of its frames that turn hard in the open."""
-        hits = ((mouse[:, 0].abs() > 5) & (wall >= OPEN_WALL)).float()
+        hits = ((mouse[:, 0].abs() > HARD_TURN) & (wall >= OPEN_WALL)).float()
         return hits.unfold(0, self.frames, 1).mean(-1)
 
     def batch(self, size: int, gen: torch.Generator):
