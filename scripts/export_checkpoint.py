@@ -252,7 +252,7 @@ def main(argv=None):
     (out / "config.yaml").write_text(
         f"# Written by scripts.export_checkpoint from {args.config} (train.vae_scale measured by scripts.encode_latents;\n"
         f"# simulator: the maze of the episodes behind {Path(args.latents) / 'stats.json'}).\n"
-        "# inference: the default cache plan, chosen from scripts.quality_kv / bench_kv (README).\n"
+        "# inference: the default cache plan, chosen from scripts.quality_kv / bench_kv (docs/kv_modes.md).\n"
         + OmegaConf.to_yaml(raw))
     world = load_config(out / "config.yaml")
 

@@ -48,7 +48,7 @@ def test_tp2_matches_one_process_through_cut_bias_and_recompute(tmp_path):
     assert frames[1].shape == (8, 64, 64, 3)
     # fp32 rounding only (all-reduce sums partial products in another order): a few percent of
     # the uint8 values sit next to a rounding boundary and differ by one level, a rare few by two or
-    # three after the 8-frame rollout (the stop-34 weights: max 3, mean 0.032); a real divergence
+    # three after the 8-frame rollout (the weights shipped 2026-11-27: max 3, mean 0.032); a real divergence
     # moves many values by many levels.
     diff = np.abs(frames[1] - frames[2])
     assert diff.max() <= 4 and diff.mean() < 0.1 and (diff > 1).mean() < 0.002, (diff.max(), diff.mean())
