@@ -39,6 +39,10 @@ ROPE_KINDS = ("motion", "ortho")
 # How the mouse enters the conditioning: "sincos" is the original's (original checkpoints need it);
 # "smooth" is an option for worlds trained here (owl_wms.model.SmoothMouseEmbedding)
 MOUSE_EMBEDDINGS = ("sincos", "smooth")
+# The original's production model (shared/ARCHITECTURE.md Part 1), for benchmarks at full size;
+# n_frames is its RoPE table length, which only ortho RoPE reads.
+PRODUCTION = dict(sample_size=8, channels=128, n_layers=16, n_heads=24, d_model=1536, tokens_per_frame=64,
+                  n_frames=60, n_buttons=11, causal=True, rope_impl="motion", local_window=16, global_window=None)
 
 
 def refuse_other_kind(model_id, source: str) -> None:

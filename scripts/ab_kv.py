@@ -29,12 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-REPO = Path(__file__).resolve().parent.parent
-PRESETS = REPO / "configs" / "kv_presets.yaml"
+from scripts.common import PRESETS, REPO, load_presets, machine, preset_env
+
 DEFAULT_VARIANTS = ["fp8_kv", "fp8_v_only", "int8_kv", "int4_v_only", "sharing", "ring_inplace"]
-LATE = {"quarter": 0.25, "half": 0.5, "three_quarters": 0.75}
 WARMUP = 2  # frames before timing and recompile counting
 
 
@@ -52,14 +50,7 @@ def parse_variant(spec: str, presets: dict) -> tuple[str, dict]:
         return name.strip() or "variant", env
     if spec not in presets:
         raise SystemExit(f"error: --variant {spec!r} is neither a preset ({', '.join(presets)}) nor name:FLAG=V,...")
-    return spec, {k: str(v) for k, v in presets[spec].items()}
-
-
-def resolve_late(env: dict, n_layers: int) -> dict:
-    late = env.get("OWL_KV_LATE_LAYERS")
-    if late in LATE:
-        env = {**env, "OWL_KV_LATE_LAYERS": str(max(1, round(n_layers * LATE[late])))}
-    return env
+    return spec, dict(presets[spec])
 
 
 # -- health (no reference) ---------------------------------------------------------------------
@@ -324,11 +315,10 @@ def main(argv=None):
     from owl_wms.config import load_config
     from tqdm import tqdm
 
-    from .bench_pipeline import machine
 
     checkpoint = str(Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT)
     world = load_config(Path(checkpoint) / "config.yaml")
-    presets = OmegaConf.to_container(OmegaConf.load(PRESETS))
+    presets = load_presets()
     variants = [("baseline", {})]
     for spec in args.variant or DEFAULT_VARIANTS:
         name, env = parse_variant(spec, presets)
@@ -336,7 +326,7 @@ def main(argv=None):
             continue
         if name in {v[0] for v in variants}:
             raise SystemExit(f"error: variant name {name!r} appears twice; give inline variants distinct names")
-        variants.append((name, resolve_late(env, world.model.n_layers)))
+        variants.append((name, preset_env(env, world.model.n_layers)))
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,7 @@ import sys
 
 import torch
 
-from .bench_kv import world_rows
-from .bench_pipeline import machine
+from .common import machine, world_rows
 
 MODES = {
     "bf16 roll": {"OWL_KV_STORAGE": "bf16", "OWL_RING_MODE": "roll"},

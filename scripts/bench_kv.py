@@ -28,11 +28,11 @@ import time
 import torch
 
 from owl_wms.cache import build_cache
-from owl_wms.config import ModelConfig
+from owl_wms.config import PRODUCTION, ModelConfig
 from owl_wms.quant import Fused
 from owl_wms.settings import Settings
 
-from .bench_pipeline import PRODUCTION, machine
+from .common import machine, world_rows
 
 WINDOW = 60
 LAYOUTS = ("roll", "pointer", "inplace")
@@ -212,40 +212,6 @@ def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
                 if i >= 2:  # warm-up (and the first compile)
                     times[m].append(time.perf_counter() - t0)
         rows += [{"codec": name, "method": m, "ms": statistics.median(t) * 1000} for m, t in times.items()]
-    return rows
-
-
-def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool = False, warmup: int = 4) -> list[dict]:
-    """Each mode (name -> OWL_* flags) on the shipped world (real pipeline, denoise + decode,
-    walk_turn actions): FPS, median ms, KV bytes, and the torch.compile graphs made after the
-    warm-up frames (0: no recompiles in steady state)."""
-    from torch._dynamo.utils import counters
-
-    from inference.actions import load_actions
-    from inference.causvid_pipeline import CausvidPipeline
-
-    rows = []
-    actions = load_actions("walk_turn", frames + warmup)
-    for name, env in modes.items():
-        settings = kv_settings({**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"})
-        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
-        times, graphs = [], 0
-        for i in range(frames + warmup):
-            if i == warmup:
-                graphs = counters["stats"]["unique_graphs"]
-            mouse, buttons = actions[i]
-            _, seconds = pipe(torch.tensor(mouse), torch.tensor(buttons, dtype=torch.float32))
-            if i >= warmup:
-                times.append(seconds)
-        rows.append({"mode": name, "compiled": compiled, "fps": len(times) / sum(times),
-                     "median_ms": statistics.median(times) * 1000, "kv_mib": pipe.kv_bytes / 2**20,
-                     "recompiles": counters["stats"]["unique_graphs"] - graphs,
-                     "flags": " ".join(f"{k}={v}" for k, v in env.items()) or "(defaults)"})
-        r = rows[-1]  # as it is measured, so a run cut short still shows its rows
-        print(f"  measured {name:<24} {'compiled' if compiled else 'eager':<8} {r['fps']:7.2f} FPS "
-              f"{r['median_ms']:8.1f} ms  {r['kv_mib']:7.2f} MiB  recompiles {r['recompiles']}", flush=True)
-        del pipe
-        gc.collect()
     return rows
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -22,26 +21,10 @@ import torch
 from inference.causvid_pipeline import CausvidPipeline
 from owl_wms import attention
 from owl_wms.attention import query_chunk_tokens
-from owl_wms.config import ModelConfig, PipelineConfig, WorldConfig, DecoderConfig
+from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
 from owl_wms.model import GameRFT
 from owl_wms.settings import Settings
-
-# The production model (ARCHITECTURE Part 1); n_frames is its table length, which only ortho RoPE reads.
-PRODUCTION = dict(sample_size=8, channels=128, n_layers=16, n_heads=24, d_model=1536, tokens_per_frame=64,
-                  n_frames=60, n_buttons=11, causal=True, rope_impl="motion", local_window=16, global_window=None)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {torch.get_num_threads()} threads{gpu}"
+from scripts.common import machine
 
 
 def timed(fn, frames: int, warmup: int, sync) -> list[float]:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from scripts.bench_pipeline import machine
+from scripts.common import machine
 
 
 def main(argv=None):

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from inference.causvid_pipeline import CausvidPipeline
-from owl_wms.config import DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
+from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
 from owl_wms.model import GameRFT
 from owl_wms.parallel import ParallelContext
 from owl_wms.settings import Settings
-from scripts.bench_pipeline import PRODUCTION, machine
+from scripts.common import machine
 
 WALK = ([0.0, 0.0], [1] + [0] * 10)
 

@@ -22,7 +22,7 @@ from owl_wms.attention import query_chunk_tokens
 from owl_wms.config import load_config
 from owl_wms.training.world import sample_times, train_step, world_trainer
 
-from .bench_pipeline import machine
+from .common import machine
 
 
 class Trainer:

@@ -28,7 +28,7 @@ from owl_wms.loading import CheckpointError, load_weights
 from owl_wms.model import GameRFT
 from owl_wms.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD
 
-from .bench_pipeline import machine
+from .common import machine
 
 SHARD_BYTES = 16 * 2**20
 CLIP_SEED = 2_000_000  # clip levels: neither training (0..) nor evaluation (1,000,000..) seeds

@@ -23,8 +23,7 @@ from owl_wms.data import HELD_OUT_SEED
 from owl_wms.evaluation import Episode, frame_metrics
 from owl_wms.settings import Settings, without_kv
 
-from .ab_kv import resolve_late
-from .bench_pipeline import machine
+from .common import machine, preset_env
 
 VARIANTS = {
     "bf16": {},
@@ -74,7 +73,7 @@ def main(argv=None):
     real = ep.frames[ep.window:]
     rows, frames = [], {}
     for name in names:
-        env = resolve_late(VARIANTS[name], n_layers)
+        env = preset_env(VARIANTS[name], n_layers)
         pipe = CausvidPipeline(base.model, base.decoder, base.world, Settings.resolve(without_kv(base.world.inference), env),
                                verbose=False)
         pipe.load_clip(ep.clip)

@@ -1,0 +1,88 @@
+"""What the benchmark, A/B and check scripts share: the machine's name, the KV presets and the
+shipped world's depth. Scripts import this module, never each other."""
+from __future__ import annotations
+
+import gc
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = REPO / "configs" / "kv_presets.yaml"
+SHIPPED = REPO / "checkpoints" / "maze-world"
+# OWL_KV_LATE_LAYERS in a preset may be a share of the model's depth.
+LATE_SHARES = {"quarter": 0.25, "half": 0.5, "three_quarters": 0.75}
+
+
+def machine() -> str:
+    """The CPU model (and GPU, if any) and the thread count, for benchmark headers."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {torch.get_num_threads()} threads{gpu}"
+
+
+def load_presets() -> dict[str, dict[str, str]]:
+    """configs/kv_presets.yaml: preset name -> OWL_* flags (values as strings)."""
+    from omegaconf import OmegaConf
+
+    return {name: {k: str(v) for k, v in (flags or {}).items()}
+            for name, flags in OmegaConf.to_container(OmegaConf.load(PRESETS)).items()}
+
+
+def preset_env(flags: dict[str, str], n_layers: int) -> dict[str, str]:
+    """A preset's flags with a depth share (OWL_KV_LATE_LAYERS=half) turned into a layer count."""
+    late = flags.get("OWL_KV_LATE_LAYERS")
+    if late in LATE_SHARES:
+        flags = {**flags, "OWL_KV_LATE_LAYERS": str(max(1, round(n_layers * LATE_SHARES[late])))}
+    return flags
+
+
+def shipped_layers() -> int:
+    """The depth of the shipped world's transformer."""
+    from owl_wms.config import load_config
+
+    return load_config(SHIPPED / "config.yaml").model.n_layers
+
+
+def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool = False, warmup: int = 4) -> list[dict]:
+    """Each mode (name -> OWL_* flags) on the shipped world (real pipeline, denoise + decode,
+    walk_turn actions): FPS, median ms, KV bytes, and the torch.compile graphs made after the
+    warm-up frames (0: no recompiles in steady state)."""
+    from torch._dynamo.utils import counters
+
+    from inference.actions import load_actions
+    from inference.causvid_pipeline import CausvidPipeline
+    from owl_wms.settings import Settings
+
+    rows = []
+    actions = load_actions("walk_turn", frames + warmup)
+    for name, env in modes.items():
+        settings = Settings.resolve({}, {**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"})
+        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
+        times, graphs = [], 0
+        for i in range(frames + warmup):
+            if i == warmup:
+                graphs = counters["stats"]["unique_graphs"]
+            mouse, buttons = actions[i]
+            _, seconds = pipe(torch.tensor(mouse), torch.tensor(buttons, dtype=torch.float32))
+            if i >= warmup:
+                times.append(seconds)
+        rows.append({"mode": name, "compiled": compiled, "fps": len(times) / sum(times),
+                     "median_ms": statistics.median(times) * 1000, "kv_mib": pipe.kv_bytes / 2**20,
+                     "recompiles": counters["stats"]["unique_graphs"] - graphs,
+                     "flags": " ".join(f"{k}={v}" for k, v in env.items()) or "(defaults)"})
+        r = rows[-1]  # as it is measured, so a run cut short still shows its rows
+        print(f"  measured {name:<24} {'compiled' if compiled else 'eager':<8} {r['fps']:7.2f} FPS "
+              f"{r['median_ms']:8.1f} ms  {r['kv_mib']:7.2f} MiB  recompiles {r['recompiles']}", flush=True)
+        del pipe
+        gc.collect()
+    return rows
