@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .causvid_pipeline import BUTTONS
+from owl_wms.controls import BUTTONS
+from owl_wms.maze.worlds import load_level
 
 Action = tuple[list[float], list[int]]
 BUILTIN = ("idle", "forward", "turn", "walk_turn", "random")
@@ -107,7 +108,7 @@ def apply_event(pipe, event: dict):
     elif name == "clip":
         pipe.load_clip(int(event["clip"]))
     elif name == "world_seed":
-        pipe.load_world(int(event["seed"]))
+        load_level(pipe, int(event["seed"]))
     elif name == "bias":
         pipe.kv_cache_attention_bias = float(event["value"])
     elif name == "snapshot":

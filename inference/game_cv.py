@@ -10,19 +10,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from owl_wms.clips import load_clip
 from owl_wms.config import ConfigError, load_config
-from owl_wms.loading import WEIGHT_CHOICES, CheckpointError
+from owl_wms.engine import CausvidPipeline, LifecycleError
+from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError
+from owl_wms.maze.worlds import load_level
 from owl_wms.parallel import ParallelContext, TPError, is_collective_error
 from owl_wms.settings import Settings, SettingsError
 
-from .actions import BUILTIN, apply_event, is_event, load_actions
-from .causvid_pipeline import DEFAULT_CHECKPOINT, TP_FAULTS, CausvidPipeline
-from .lifecycle import LifecycleError
-from .video import Mp4Writer, OutputPathError, StopOnSigint, check_output_path
+from .actions import BUILTIN
+from .flags import flag_message, resolve_settings
+from .headless import run_headless
+from .video import OutputPathError
 
 USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError, TPError,
                LifecycleError)
@@ -31,7 +32,7 @@ USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, Fil
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m inference.game_cv", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
+    p.add_argument("--checkpoint", default=str(SHIPPED_WORLD),
                    help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
     p.add_argument("--ckpt", default=None, help="weights file or shard index (default: model.safetensors, or its shards, beside the config)")
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
@@ -61,7 +62,6 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel ranks (heads and MLP split across processes; launch with torchrun "
                         "--nproc-per-node N)")
-    p.add_argument("--tp-fault", choices=TP_FAULTS, default=None, help=argparse.SUPPRESS)  # tests: rank 1 misbehaves
     play = p.add_argument_group("play (window) options")
     play.add_argument("--target-fps", type=float, default=60.0, help="window refresh rate (frame pacing)")
     play.add_argument("--smooth", action="store_true", help="smooth scaling instead of integer (nearest)")
@@ -84,24 +84,24 @@ def parse_args(argv=None):
     return args
 
 
-def resolve_settings(args) -> Settings:
+def run_settings(args) -> Settings:
+    """The config's ``inference:`` section under the OWL_* flags, then --seed."""
     checkpoint = Path(args.checkpoint)
     cfg_path = checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint
-    settings = Settings.resolve(load_config(cfg_path).inference)
+    settings = resolve_settings(load_config(cfg_path).inference)
     return settings.replace(seed=args.seed) if args.seed is not None else settings
 
 
 def build_pipeline(args, tp: ParallelContext | None = None) -> CausvidPipeline:
     """The pipeline with its first history; TP ranks other than 0 get theirs from rank 0."""
-    settings = resolve_settings(args)
+    settings = run_settings(args)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
     pipe = CausvidPipeline.from_checkpoint(Path(args.checkpoint), args.ckpt, settings=settings, clip=clip,
-                                           ground_truth=args.ground_truth, tp=tp, tp_fault=args.tp_fault,
-                                           weights=args.weights)
+                                           ground_truth=args.ground_truth, tp=tp, weights=args.weights)
     if tp is not None and not tp.is_leader:
         return pipe
     if args.world_seed is not None:
-        pipe.load_world(args.world_seed)
+        load_level(pipe, args.world_seed)
     elif clip is None:
         pipe.load_clip(load_clip(args.clip, pipe.cfg.channels, pipe.cfg.sample_size))
     return pipe
@@ -110,153 +110,16 @@ def build_pipeline(args, tp: ParallelContext | None = None) -> CausvidPipeline:
 def launch_tp(args) -> ParallelContext | None:
     if args.tp == 1:
         return None
-    settings = resolve_settings(args)
+    settings = run_settings(args)
     return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every)
 
 
-def save_frames(path: Path, frames: list):
-    """Raw frames as one .npy, written atomically."""
-    import numpy as np
-
-    tmp = path.with_name(f".{path.name}.partial.npy")
-    np.save(tmp, np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8))
-    tmp.replace(path)
-
-
-def save_sheet(path: Path, shown: list, every: int, per_row: int = 16):
-    """A contact sheet of the video's frames (each a tuple of views: (simulator, model) or
-    (model,)), ``per_row`` picked frames to a row, written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from owl_wms.evaluation import rollout_sheet
-
-    views = [np.stack(v) for v in zip(*shown)]
-    span = per_row * every
-    tmp = path.with_name(f".{path.name}.partial.png")
-    plt.imsave(tmp, rollout_sheet([tuple(v[i:i + span] for v in views) for i in range(0, len(shown), span)], every))
-    tmp.replace(path)
-
-
-class SimulatorBeside:
-    """The simulator's view of the level the model's history came from, stepped with the controls
-    each generated frame used (``pipe.last_controls``: the clip's recorded ones in ground-truth mode), so the video shows
-    the truth beside the dream: ``frame(controls, model_frame)`` -> [simulator | gap | model]."""
-
-    GAP = 2  # black columns between the two views
-
-    def __init__(self, pipe: CausvidPipeline):
-        self.pipe, self.bookmark = pipe, None
-        self.start()
-
-    def start(self):
-        """Back to the end of the current clip's history (a new clip, a restart)."""
-        from owl_wms.evaluation import replay_clip
-
-        self.sim = replay_clip(self.pipe.clip, *self.pipe.frame_shape)
-
-    def handle(self, event: dict):
-        """Follow a pipeline event that moves the history (called after the pipeline's)."""
-        import copy
-
-        name = event["event"]
-        if name in ("restart", "clip", "world_seed"):
-            self.start()
-        elif name == "snapshot":
-            self.bookmark = copy.deepcopy(self.sim)
-        elif name == "restore":
-            self.sim = copy.deepcopy(self.bookmark)
-
-    def step(self, controls):
-        """The simulator's next frame under the controls the model's frame used."""
-        mouse, buttons = controls
-        return self.sim.step(mouse.tolist(), buttons.tolist())
-
-    def frame(self, real, model_frame):
-        import numpy as np
-
-        gap = np.zeros((real.shape[0], self.GAP, 3), np.uint8)
-        return np.concatenate([real, gap, model_frame], axis=1)
-
-
-def run_headless(args, tp: ParallelContext | None = None) -> int:
-    from tqdm import tqdm
-
-    if tp is not None and not tp.is_leader:  # a follower: rank 0 owns input, decoding and output
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
-        build_pipeline(args, tp).follow()
-        return 0
-    items = load_actions(args.actions, args.frames, seed=args.seed or 0)
-    frames_path = check_output_path(args.save_frames, suffix=".npy", flag="--save-frames") if args.save_frames else None
-    sheet_path = check_output_path(args.sheet, suffix=".png", flag="--sheet") if args.sheet else None
-    writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
-    interrupted, error = False, None
-    pipe_seconds = 0.0
-    shown = []  # the views of each frame, (simulator, model) or (model,): --save-frames and --sheet
-    try:
-        with StopOnSigint() as stop:
-            pipe = build_pipeline(args, tp)
-            beside = SimulatorBeside(pipe) if args.beside_simulator else None
-            start = time.perf_counter()
-            bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
-            for item in items:
-                if stop.requested:
-                    interrupted = True
-                    break
-                if is_event(item):
-                    apply_event(pipe, item)
-                    if beside is not None:
-                        beside.handle(item)
-                    continue
-                frame, secs = pipe(*item)
-                pipe_seconds += secs
-                views = (frame.numpy(),) if beside is None else (beside.step(pipe.last_controls), frame.numpy())
-                writer.write(views[0] if beside is None else beside.frame(*views))
-                if frames_path is not None or sheet_path is not None:
-                    shown.append(views)
-                bar.update(1)
-            bar.close()
-            pipe.close()  # TP: the other ranks stop after a last vote and lifecycle check
-    except KeyboardInterrupt:
-        interrupted = True
-    except Exception as exc:  # the video of the frames so far is still finalised and reported
-        error = exc
-    finally:
-        path = writer.close()
-        if frames_path is not None and shown:
-            save_frames(frames_path, [views[-1] for views in shown])
-        if sheet_path is not None and shown:
-            save_sheet(sheet_path, shown, args.sheet_every)
-    n = writer.frames
-    if n:
-        total = time.perf_counter() - start
-        stopped = " - interrupted" if interrupted else " - stopped by an error" if error else ""
-        print(f"wrote {path} ({n} frames){stopped}; pipeline {n / pipe_seconds:.2f} FPS, total {n / total:.2f} FPS")
-    elif interrupted or error:
-        print("stopped before the first frame; no video written")
-    if error is not None:
-        raise error
-    return 130 if interrupted else 0
-
-
-def no_display_message() -> str:
-    return ("error: no display is available for the game window.\n"
-            "  Render to a video instead:  python -m inference.game_cv --headless --frames 64 --out rollout.mp4\n"
-            "  or point SDL at a display (DISPLAY=:0, or run under Xvfb), or set SDL_VIDEODRIVER "
-            "(e.g. SDL_VIDEODRIVER=dummy for a window-less test run).")
-
-
 def run_play(args) -> int:
+    from .play import Game, PlayOptions, no_display_message  # pygame loads only for the window
+
     if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER")):
         print(no_display_message(), file=sys.stderr)
         return 2
-    from .play import Game, PlayOptions
-
     options = PlayOptions.from_args(args)  # output paths are checked here, before the model loads
     return Game(lambda: build_pipeline(args), options).run()
 
@@ -270,12 +133,12 @@ def main(argv=None) -> int:
             raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
         if args.beside_simulator and not args.headless:
             raise ValueError("--beside-simulator renders to the video only; add --headless")
-        return run_headless(args, tp) if args.headless else run_play(args)
+        return run_headless(args, build_pipeline, tp) if args.headless else run_play(args)
     except USER_ERRORS as exc:
         if tp is not None:
             tp.fail(exc)
         prefix = f"rank {tp.rank}: " if tp is not None and not isinstance(exc, TPError) else ""
-        print(f"error: {prefix}{exc}", file=sys.stderr)
+        print(f"error: {prefix}{flag_message(exc)}", file=sys.stderr)
         return 2
     except BaseException as exc:
         if tp is not None and is_collective_error(exc):  # a peer failed first: report its error

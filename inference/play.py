@@ -25,18 +25,26 @@ import numpy as np
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # keep the start-up output to our own line
 import pygame  # noqa: E402
 
+from owl_wms.controls import BUTTONS  # noqa: E402
+from owl_wms.engine import CausvidPipeline  # noqa: E402
+
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
-from .causvid_pipeline import BUTTONS, CausvidPipeline  # noqa: E402
 from .video import Mp4Writer, OutputPathError, StopOnSigint, check_output_path  # noqa: E402
 
-DEFAULT_BINDINGS = {"W": "w", "A": "a", "S": "s", "D": "d", "LSHIFT": "left shift", "SPACE": "space",
-                    "R": "r", "F": "f", "E": "e", "LMB": "mouse1", "RMB": "mouse3"}
+DEFAULT_BINDINGS = dict(zip(BUTTONS, ("w", "a", "s", "d", "left shift", "space", "r", "f", "e", "mouse1", "mouse3")))
 CONTROL_KEYS = {pygame.K_ESCAPE: "quit", pygame.K_F1: "overlay", pygame.K_F2: "pause", pygame.K_F3: "step",
                 pygame.K_F4: "ground_truth", pygame.K_F5: "restart", pygame.K_F6: "next_clip",
                 pygame.K_F7: "new_level", pygame.K_F8: "grab", pygame.K_F9: "record",
                 pygame.K_F10: "sensitivity_down", pygame.K_F11: "sensitivity_up", pygame.K_F12: "screenshot",
                 pygame.K_INSERT: "snapshot", pygame.K_HOME: "restore",
                 pygame.K_PAGEDOWN: "bias_down", pygame.K_PAGEUP: "bias_up"}
+
+
+def no_display_message() -> str:
+    return ("error: no display is available for the game window.\n"
+            "  Render to a video instead:  python -m inference.game_cv --headless --frames 64 --out rollout.mp4\n"
+            "  or point SDL at a display (DISPLAY=:0, or run under Xvfb), or set SDL_VIDEODRIVER "
+            "(e.g. SDL_VIDEODRIVER=dummy for a window-less test run).")
 
 
 def parse_bindings(bindings: dict | None) -> tuple[dict[int, int], dict[int, int]]:
@@ -385,7 +393,6 @@ class Game:
 
     # -- main loop -----------------------------------------------------------------------------
     def open_window(self) -> bool:
-        from .game_cv import no_display_message
 
         pygame.display.init()  # video and fonts only: no audio device is needed (or probed)
         pygame.font.init()

@@ -167,13 +167,13 @@ class StaticCache(CacheUpdates):
 
 # -- the quantized family --------------------------------------------------------------------
 class RingGuardError(RuntimeError):
-    """A cache invariant failed (OWL_RING_GUARD): offsets, write pointer or scale alignment."""
+    """A cache invariant failed (the ring_guard setting): offsets, write pointer or scale alignment."""
 
 
 @dataclass(frozen=True)
 class LayerPlan:
     layer: int
-    owner: int  # the layer whose K/V this one reads (itself unless it borrows, OWL_KV_SHARE)
+    owner: int  # the layer whose K/V this one reads (itself unless it borrows: kv_share)
     window: int  # frames a decoded query of this layer sees, itself included (ModelConfig.decode_window)
     capacity: int  # frames stored by an owner
     k: tuple[str, ScalePolicy]  # (codec, scale policy)
@@ -190,9 +190,9 @@ def plan_layers(config: ModelConfig, kv: KVSettings, window_frames: int) -> list
     """Per-layer codecs, scales, windows, capacities and sharing groups from the settings."""
     n, layout = config.n_layers, kv.ring_mode
     if kv.late_layers is not None and kv.late_layers > n:
-        raise SettingsError(f"OWL_KV_LATE_LAYERS={kv.late_layers} exceeds the model's {n} layers")
+        raise SettingsError(f"kv_late_layers={kv.late_layers} exceeds the model's {n} layers", ("kv_late_layers",))
     if kv.share > n:
-        raise SettingsError(f"OWL_KV_SHARE={kv.share} exceeds the model's {n} layers")
+        raise SettingsError(f"kv_share={kv.share} exceeds the model's {n} layers", ("kv_share",))
     # A decoded frame reads the cache without the frame mask: global layers see all W frames
     # whatever global_window says (the original), local layers their last local_window.
     windows = [min(config.decode_window(i) or window_frames, window_frames) for i in range(n)]
@@ -237,7 +237,7 @@ class QuantizedStaticCache(CacheUpdates):
                  device="cpu", dtype=torch.bfloat16, tail_only: bool = True, scratch: bool = True,
                  guard: int = 0, fused_kernels: bool = False):
         self.config, self.plans = config, plans
-        self.fused_kernels = fused_kernels  # compiled encode/decode kernels (the pipeline's OWL_COMPILE)
+        self.fused_kernels = fused_kernels  # compiled encode/decode kernels (the compile setting)
         self.tpf = config.tokens_per_frame
         self.max_frames = max(p.capacity for p in plans)
         self.layout = make_layout(layout, scratch)
@@ -403,7 +403,7 @@ class QuantizedStaticCache(CacheUpdates):
         if n % self.tpf:
             raise ValueError(f"cache write of {n} tokens: must be whole frames ({self.tpf} tokens each)")
         if self.borrows(layer):
-            raise ValueError(f"layer {layer} reads layer {self.plans[layer].owner}'s K/V (OWL_KV_SHARE); "
+            raise ValueError(f"layer {layer} reads layer {self.plans[layer].owner}'s K/V (kv_share); "
                              "it has no cache of its own")
         return n // self.tpf
 
@@ -500,7 +500,7 @@ class QuantizedStaticCache(CacheUpdates):
                 for name, q, w in zip("kv", quantizers, work or (None, None))]
 
     def _fused_ring_step(self, layer, store, k, v, work) -> bool:
-        """OWL_COMPILE=1: encode, write and decode K and V of one frame in one compiled call
+        """With compile on: encode, write and decode K and V of one frame in one compiled call
         (amax policies). False, with nothing done, where it does not apply or cannot compile."""
         kq, vq = self.quant[layer]
         if not (self.fused_kernels and kq.one_pass and vq.one_pass and (kq.quantized or vq.quantized)):
@@ -619,7 +619,7 @@ def _slot_mask(capacity: int, tpf: int, slots: tuple, device: str) -> torch.Tens
 
 
 def build_cache(config: ModelConfig, settings, window_frames: int, batch_size: int = 1, plans=None):
-    """The cache the settings ask for: None (OWL_KV_CACHE=none), the plain bf16 roll
+    """The cache the settings ask for: None (kv_cache "none"), the plain bf16 roll
     ``StaticCache``, or a ``QuantizedStaticCache`` with its per-layer plan (``plans``, if
     already made from the same settings)."""
     if settings.kv_cache == "none":

@@ -6,7 +6,7 @@ vae_scale), ``mouse [n, 2]`` and ``buttons [n, 11]`` for every frame; metadata
 (and latents, when present) are the recorded future used by ground-truth replay. A clip
 rendered from a simulator level also records it (metadata ``level``: JSON with the level
 ``seed`` and the ``simulator`` options), so the simulator can replay the history and play on
-beside the model (``owl_wms.evaluation.replay_clip``).
+beside the model (``owl_wms.maze.evaluation.replay_clip``).
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from .controls import N_BUTTONS
 
 
 @dataclass
@@ -66,7 +68,7 @@ def load_clip(path: str | Path, channels: int, sample_size: int) -> Clip:
         raise ValueError(f"clip {str(path)!r} latents have shape {tuple(lat.shape)}; the model expects "
                          f"[n, {channels}, {sample_size}, {sample_size}]")
     n = mouse.shape[0]
-    if mouse.shape != (n, 2) or buttons.shape != (n, 11) or lat.shape[0] > n:
+    if mouse.shape != (n, 2) or buttons.shape != (n, N_BUTTONS) or lat.shape[0] > n:
         raise ValueError(f"clip {str(path)!r}: mouse {tuple(mouse.shape)} / buttons {tuple(buttons.shape)} "
                          f"must be [n, 2] / [n, 11] with n >= {lat.shape[0]} latent frames")
     level = None

@@ -15,7 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .simulator import SimConfig
+from .controls import MOUSE_AXES, N_BUTTONS
+
 
 
 class ConfigError(ValueError):
@@ -42,7 +43,15 @@ MOUSE_EMBEDDINGS = ("sincos", "smooth")
 # The original's production model (shared/ARCHITECTURE.md Part 1), for benchmarks at full size;
 # n_frames is its RoPE table length, which only ortho RoPE reads.
 PRODUCTION = dict(sample_size=8, channels=128, n_layers=16, n_heads=24, d_model=1536, tokens_per_frame=64,
-                  n_frames=60, n_buttons=11, causal=True, rope_impl="motion", local_window=16, global_window=None)
+                  n_frames=60, n_buttons=N_BUTTONS, causal=True, rope_impl="motion", local_window=16, global_window=None)
+
+
+def check_schedule(schedule, name: str = "schedule") -> tuple[float, ...]:
+    """A sampler schedule as floats, refused unless it falls strictly from 1 to 0."""
+    value = tuple(float(t) for t in schedule)
+    if len(value) < 2 or value[0] != 1.0 or value[-1] != 0.0 or any(a <= b for a, b in zip(value, value[1:])):
+        raise ValueError(f"{name}={list(value)} must fall strictly from 1.0 to 0.0, e.g. [1.0, 0.25, 0.0]")
+    return value
 
 
 def refuse_other_kind(model_id, source: str) -> None:
@@ -70,7 +79,7 @@ class ModelConfig:
     tokens_per_frame: int
     n_frames: int | None = None  # the original's RoPE table length (frames); ortho RoPE positions need it
     model_id: str = "game_rft"
-    n_buttons: int = 11
+    n_buttons: int = N_BUTTONS
     n_mouse_axes: int = 2
     patch_size: int = 1
     causal: bool = True
@@ -148,7 +157,7 @@ class ModelConfig:
         if self.mouse_embed not in MOUSE_EMBEDDINGS:
             bad("mouse_embed", self.mouse_embed, f"choose one of {list(MOUSE_EMBEDDINGS)} ('sincos', the "
                                                  "original's, when absent)")
-        if self.n_buttons != 11 or self.n_mouse_axes != 2:
+        if self.n_buttons != N_BUTTONS or self.n_mouse_axes != len(MOUSE_AXES):
             bad("n_buttons/n_mouse_axes", (self.n_buttons, self.n_mouse_axes), "the controls are 2 mouse axes and 11 buttons")
         if self.local_idx < 1:
             bad("local_idx", self.local_idx, "must be >= 1")
@@ -205,14 +214,10 @@ class WorldConfig:
     decoder: DecoderConfig
     inference: dict = field(default_factory=dict)
     controls: dict = field(default_factory=dict)  # front-end key bindings and mouse sensitivity
-    simulator: dict = field(default_factory=dict)  # SimConfig fields of the world's levels (not the frame size)
+    simulator: dict = field(default_factory=dict)  # the maze simulator's settings (owl_wms/maze/worlds.py)
     name: str = "world"
     trained: bool = True
     path: Path | None = None
-
-    def sim_config(self, height: int, width: int) -> SimConfig:
-        """The simulator this world was trained on, rendering frames of the decoder's size."""
-        return SimConfig(height=height, width=width, **self.simulator)
 
     def resolve(self, relative: str | None) -> Path | None:
         if relative is None:
@@ -245,9 +250,10 @@ def load_config(path: str | Path) -> WorldConfig:
     if "schedule" in pipe:
         pipe["schedule"] = tuple(float(t) for t in pipe["schedule"])
     pipeline = PipelineConfig(**pipe)
-    sched = pipeline.schedule
-    if len(sched) < 2 or sched[0] != 1.0 or sched[-1] != 0.0 or any(a <= b for a, b in zip(sched, sched[1:])):
-        raise ConfigError(f"{path}: pipeline.schedule={list(sched)} must fall strictly from 1.0 to 0.0")
+    try:
+        check_schedule(pipeline.schedule, "pipeline.schedule")
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     if pipeline.window_frames < 2:
         raise ConfigError(f"{path}: pipeline.window_frames={pipeline.window_frames} must be >= 2")
     dec = OmegaConf.to_container(raw.get("decoder") or OmegaConf.create({}), resolve=True)
@@ -262,19 +268,10 @@ def load_config(path: str | Path) -> WorldConfig:
                        name=str(meta.get("name", path.parent.name)), trained=bool(meta.get("trained", True)), path=path)
 
 
-SIM_KEYS = sorted(f.name for f in dataclasses.fields(SimConfig) if f.name not in ("width", "height"))
-
-
 def parse_simulator(section: Any, source: str) -> dict:
-    """The ``simulator:`` section: SimConfig fields but the frame size (the decoder's), checked
-    by building a SimConfig from them."""
-    sim = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section or {})
-    unknown = sorted(set(sim) - set(SIM_KEYS))
-    if unknown:
-        raise ConfigError(f"{source}: unknown simulator keys {unknown}; known: {SIM_KEYS} (the frame size is "
-                          "the decoder's, not a simulator key)")
-    try:
-        SimConfig(**sim)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: simulator section {sim} is invalid: {exc}") from exc
-    return sim
+    """The ``simulator:`` section as a mapping of plain values; the maze checks its keys where it
+    builds a level (owl_wms/maze/worlds.py)."""
+    sim = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else section or {}
+    if not isinstance(sim, dict) or any(isinstance(v, (dict, list)) for v in sim.values()):
+        raise ConfigError(f"{source}: the simulator section must map names to plain values, got {sim!r}")
+    return dict(sim)

@@ -11,6 +11,10 @@ from safetensors.torch import load_file
 from .config import ModelConfig, WorldConfig, load_config
 from .model import GameRFT
 
+# The world this repository ships and loads when no checkpoint is named.
+SHIPPED_WORLD = Path(__file__).resolve().parent.parent / "checkpoints" / "maze-world"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not match its config."""
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from .attention import BACKENDS, Attention, history_bias_mask
 from .config import ModelConfig
+from .controls import N_BUTTONS
 from .rope import make_rope
 
 
@@ -85,7 +86,7 @@ class SmoothMouseEmbedding(nn.Module):
 
 
 class ButtonEmbedding(nn.Module):
-    def __init__(self, d: int, n_buttons: int = 11):
+    def __init__(self, d: int, n_buttons: int = N_BUTTONS):
         super().__init__()
         self.proj = MLP(n_buttons, 2048, d)
 
@@ -94,7 +95,7 @@ class ButtonEmbedding(nn.Module):
 
 
 class ControlEmbedding(nn.Module):
-    def __init__(self, d: int, n_buttons: int = 11, mouse_embed: str = "sincos"):
+    def __init__(self, d: int, n_buttons: int = N_BUTTONS, mouse_embed: str = "sincos"):
         super().__init__()
         self.mouse = SmoothMouseEmbedding(d) if mouse_embed == "smooth" else MouseEmbedding(d)
         self.button = ButtonEmbedding(d, n_buttons)

@@ -8,7 +8,7 @@ their partial sums. Each rank's KV cache holds only its heads. Everything else (
 AdaLN, the final layer) is replicated and computed identically everywhere.
 
 Launch: ``torchrun --nproc-per-node N -m inference.game_cv --headless --tp N``. gloo on CPU,
-NCCL on GPU. Rank 0 plans every step and broadcasts it (an ``inference.lifecycle.StepPlan``:
+NCCL on GPU. Rank 0 plans every step and broadcasts it (an ``owl_wms.engine.lifecycle.StepPlan``:
 the envelope); every rank validates it before any collective, and the ranks vote, so a bad
 envelope fails every rank with the same message instead of hanging a collective. Start-up
 compares a digest of settings, model config and weights; every K steps an all-gather compares
@@ -226,8 +226,10 @@ class ParallelContext:
             cause = None
         if cause:
             return TPError(f"rank {self.rank} stopped because {cause}")
-        return TPError(f"a collective failed on rank {self.rank} (a peer crashed or exceeded OWL_TP_TIMEOUT="
-                       f"{self.timeout_s:g}s): {str(exc).splitlines()[0][:300]}")
+        err = TPError(f"a collective failed on rank {self.rank} (a peer crashed or exceeded tp_timeout_s="
+                      f"{self.timeout_s:g}s): {str(exc).splitlines()[0][:300]}")
+        err.params = ("tp_timeout_s",)  # an app may respell it as its own flag
+        return err
 
     def shutdown(self):
         if dist.is_initialized():

@@ -235,7 +235,7 @@ def _rescale_fp8(out, scale, unbias: float):
 
 
 class Fp8Decode:
-    """OWL_COMPILE's fp8 decode. Where the codec decodes by bit placement (CPU, bf16), the bits
+    """The compiled fp8 decode. Where the codec decodes by bit placement (CPU, bf16), the bits
     are placed eagerly (integer ops vectorise there, while Inductor's bitcasts go value by
     value) and one compiled kernel applies the power of two and the scale; elsewhere one
     compiled cast kernel."""

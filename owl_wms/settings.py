@@ -1,10 +1,11 @@
-"""Run-time settings: OWL_* environment variables over the config's ``inference:`` section
-over defaults, parsed once into an immutable object. Nothing else reads the environment.
+"""Run-time settings: typed, immutable, checked once. ``Settings.parse`` takes raw values by
+field name (a config's ``inference:`` section, or what an app read from its own flags:
+inference/flags.py maps the OWL_* environment variables) and names each value in its errors
+through ``source``, so an app's message names the flag or config key the user wrote.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -13,7 +14,12 @@ import torch
 
 
 class SettingsError(ValueError):
-    """A flag or config value is malformed; the message names it, the value and the fix."""
+    """A setting is malformed or contradicts another; the message names it, the value and the fix.
+    ``params``: the field names the message uses, which an app may respell as its own flags."""
+
+    def __init__(self, message: str, params: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.params = params
 
 
 def _bool(text: str) -> bool:
@@ -94,66 +100,65 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.flo
 
 
 @dataclass(frozen=True)
-class Flag:
-    env: str
+class Option:
     field: str
     parse: Callable
     default: object
     help: str
 
 
-FLAGS: tuple[Flag, ...] = (
-    Flag("OWL_DEVICE", "device", _device, "auto", "where the model runs (auto: cuda if available)"),
-    Flag("OWL_DTYPE", "dtype", _choice(*_DTYPES), "bf16", "model and cache dtype"),
-    Flag("OWL_SEED", "seed", _int(0), 0, "seed of the noise generator"),
-    Flag("OWL_COMPILE", "compile", _bool, False, "torch.compile the model and the KV codecs' kernels"),
-    Flag("OWL_ATTN_BACKEND", "attn_backend", _choice("auto", "sdpa", "flex"), "auto",
+OPTIONS: tuple[Option, ...] = (
+    Option("device", _device, "auto", "where the model runs (auto: cuda if available)"),
+    Option("dtype", _choice(*_DTYPES), "bf16", "model and cache dtype"),
+    Option("seed", _int(0), 0, "seed of the noise generator"),
+    Option("compile", _bool, False, "torch.compile the model and the KV codecs' kernels"),
+    Option("attn_backend", _choice("auto", "sdpa", "flex"), "auto",
          "attention backend (auto: flex on GPU, sdpa on CPU)"),
-    Flag("OWL_ATTN_SDPA_DECODE", "attn_sdpa_decode", _bool, False, "use SDPA for per-frame decode"),
-    Flag("OWL_KV_CACHE", "kv_cache", _choice("static", "none"), "static",
+    Option("attn_sdpa_decode", _bool, False, "use SDPA for per-frame decode"),
+    Option("kv_cache", _choice("static", "none"), "static",
          "static: bf16 roll cache; none: recompute without a cache (correctness baseline)"),
     # Quantized cache family (ARCHITECTURE Part 3); None defaults mean "not set".
-    Flag("OWL_FP8_KV", "fp8_kv", _bool, None, "quantize the KV cache (storage: OWL_KV_STORAGE, default fp8_e4m3)"),
-    Flag("OWL_K_FP8", "k_fp8", _bool, None, "0 keeps keys in bf16 while values are quantized"),
-    Flag("OWL_KV_LATE_LAYERS", "kv_late_layers", _int(1), None, "quantize only the last N layers"),
-    Flag("OWL_KV_STORAGE", "kv_storage", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
+    Option("fp8_kv", _bool, None, "quantize the KV cache (storage: kv_storage, default fp8_e4m3)"),
+    Option("k_fp8", _bool, None, "0 keeps keys in bf16 while values are quantized"),
+    Option("kv_late_layers", _int(1), None, "quantize only the last N layers"),
+    Option("kv_storage", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
          "storage codec of K and V"),
-    Flag("OWL_KV_BITS", "kv_bits", _choice("8", "4"), None, "8: int8, 4: int4 (when OWL_KV_STORAGE is unset)"),
-    Flag("OWL_KV_FMT_K", "kv_fmt_k", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
-         "codec of keys (overrides OWL_KV_STORAGE)"),
-    Flag("OWL_KV_FMT_V", "kv_fmt_v", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
-         "codec of values (overrides OWL_KV_STORAGE)"),
-    Flag("OWL_KV_SCALE", "kv_scale", _choice("token", "head", "channel"), None,
+    Option("kv_bits", _choice("8", "4"), None, "8: int8, 4: int4 (when kv_storage is unset)"),
+    Option("kv_fmt_k", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
+         "codec of keys (overrides kv_storage)"),
+    Option("kv_fmt_v", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
+         "codec of values (overrides kv_storage)"),
+    Option("kv_scale", _choice("token", "head", "channel"), None,
          "scale granularity (channel: keys per channel, values per token)"),
-    Flag("OWL_KV_EMA", "kv_ema", _ema, None, "per-head scales: running max or EMA momentum"),
-    Flag("OWL_V_PERCENTILE", "v_percentile", _float(50, 100, lo_open=True), None,
+    Option("kv_ema", _ema, None, "per-head scales: running max or EMA momentum"),
+    Option("v_percentile", _float(50, 100, lo_open=True), None,
          "value scales from this percentile of |v| instead of the max"),
-    Flag("OWL_V_PER_CHANNEL", "v_per_channel", _bool, None, "per-channel scales for values too"),
-    Flag("OWL_SCALE_SMOOTH", "scale_smooth", _float(0, 1), None,
+    Option("v_per_channel", _bool, None, "per-channel scales for values too"),
+    Option("scale_smooth", _float(0, 1), None,
          "temporal smoothing: scale_t = max(scale_t, a * scale_t-1)"),
-    Flag("OWL_RING_MODE", "ring_mode", _choice("roll", "pointer", "inplace"), None, "cache layout"),
-    Flag("OWL_RING_GUARD", "ring_guard", _guard, None, "check cache invariants (checksum: bf16 shadow)"),
-    Flag("OWL_RING_SCRATCH", "ring_scratch", _bool, None, "pointer layout: gather into preallocated buffers"),
-    Flag("OWL_KV_TAIL_ONLY", "kv_tail_only", _bool, None, "local layers read only their window"),
-    Flag("OWL_KV_SHARE", "kv_share", _int(1), None, "cross-layer sharing: groups of N layers share K/V"),
-    # Cache lifecycle (inference/lifecycle.py) and tensor parallelism (owl_wms/parallel.py).
-    Flag("OWL_KV_RECOMPUTE_EVERY", "kv_recompute_every", _int(0), 0,
+    Option("ring_mode", _choice("roll", "pointer", "inplace"), None, "cache layout"),
+    Option("ring_guard", _guard, None, "check cache invariants (checksum: bf16 shadow)"),
+    Option("ring_scratch", _bool, None, "pointer layout: gather into preallocated buffers"),
+    Option("kv_tail_only", _bool, None, "local layers read only their window"),
+    Option("kv_share", _int(1), None, "cross-layer sharing: groups of N layers share K/V"),
+    # Cache lifecycle (owl_wms/engine/lifecycle.py) and tensor parallelism (owl_wms/parallel.py).
+    Option("kv_recompute_every", _int(0), 0,
          "rebuild the cache from the last W frames every N frames (0: off); positions restart at 0"),
-    Flag("OWL_KV_RECOMPUTE_ANCHOR", "kv_recompute_anchor", _choice("latent", "decoded"), "latent",
+    Option("kv_recompute_anchor", _choice("latent", "decoded"), "latent",
          "what a recompute rebuilds from: generated latents, or decoded frames re-encoded by the VAE"),
-    Flag("OWL_KV_CACHE_ATTENTION_BIAS", "kv_cache_attention_bias", _float(-100, 100), 0.0,
+    Option("kv_cache_attention_bias", _float(-100, 100), 0.0,
          "soft forgetting: added to the attention logits of cached history keys (0: off)"),
-    Flag("OWL_TP_CHECK_EVERY", "tp_check_every", _int(1), 16,
+    Option("tp_check_every", _int(1), 16,
          "tensor parallel: compare every rank's lifecycle scalars every N frames"),
-    Flag("OWL_TP_TIMEOUT", "tp_timeout_s", _float(1, 3600), 60.0,
+    Option("tp_timeout_s", _float(1, 3600), 60.0,
          "tensor parallel: seconds a collective may wait before every rank fails"),
-    Flag("OWL_PROFILE_KV", "profile_kv", _bool, False, "print per-frame timings and memory"),
-    Flag("OWL_PROFILE_KV_FIRST", "profile_kv_first", _int(0), 3, "profile lines for the first N frames"),
-    Flag("OWL_PROFILE_KV_EVERY", "profile_kv_every", _int(1), 30, "then one profile line every N frames"),
+    Option("profile_kv", _bool, False, "print per-frame timings and memory"),
+    Option("profile_kv_first", _int(0), 3, "profile lines for the first N frames"),
+    Option("profile_kv_every", _int(1), 30, "then one profile line every N frames"),
 )
-KNOWN = {f.env: f for f in FLAGS}
+BY_FIELD = {o.field: o for o in OPTIONS}
 # The cache-plan fields (a config may choose its own default plan; A/B tools compare from bf16 roll).
-KV_FIELDS = tuple(f.field for f in FLAGS if f.field in {
+KV_FIELDS = tuple(o.field for o in OPTIONS if o.field in {
     "fp8_kv", "k_fp8", "kv_late_layers", "kv_storage", "kv_bits", "kv_fmt_k", "kv_fmt_v", "kv_scale", "kv_ema",
     "v_percentile", "v_per_channel", "scale_smooth", "ring_mode", "ring_guard", "ring_scratch", "kv_tail_only",
     "kv_share"})
@@ -163,7 +168,7 @@ CODEC_FIELDS = ("fp8_kv", "k_fp8", "kv_storage", "kv_bits", "kv_fmt_k", "kv_fmt_
 
 
 def without_kv(inference: Mapping | None) -> dict:
-    """A config's ``inference:`` section minus its cache plan (so OWL_* flags alone define it)."""
+    """A config's ``inference:`` section minus its cache plan (so an app's flags alone define it)."""
     return {k: v for k, v in dict(inference or {}).items() if k not in KV_FIELDS}
 
 
@@ -189,10 +194,11 @@ class KVSettings:
         return self.fmt_k != "bf16" or self.fmt_v != "bf16"
 
     @classmethod
-    def resolve(cls, v: dict, source: Callable[[str], str], kv_cache: str) -> "KVSettings":
-        """``v``: parsed flag values (None = unset); ``source(field)`` names where a value came from."""
+    def resolve(cls, v: dict, source: Callable[[str], str], name: Callable[[str], str], kv_cache: str) -> "KVSettings":
+        """``v``: parsed values (None = unset); ``source(field)`` names a value and where it came
+        from, ``name(field)`` the setting as the user spells it."""
         def clash(fields, why):
-            raise SettingsError(" and ".join(source(f) for f in fields) + f" contradict: {why}")
+            raise SettingsError(" and ".join(source(f) for f in fields) + f" contradict: {why}", tuple(fields))
 
         storage, bits, fp8 = v["kv_storage"], v["kv_bits"], v["fp8_kv"]
         if storage and bits and (storage == "int4") != (bits == "4"):
@@ -215,9 +221,9 @@ class KVSettings:
         for f in ("kv_scale", "kv_ema", "v_percentile", "v_per_channel", "scale_smooth", "kv_late_layers", "k_fp8"):
             if v[f] is not None and not quantized:
                 clash((f, "kv_storage"), "a quantization option is set but K and V are stored in bf16; "
-                      "set OWL_FP8_KV=1 or OWL_KV_STORAGE")
+                      f"set {name('fp8_kv')}=1 or {name('kv_storage')}")
         if v["kv_ema"] is not None and "head" not in (scale_k if fmt_k != "bf16" else "", scale_v):
-            clash(("kv_ema", "kv_scale"), "an EMA applies to per-head scales only (OWL_KV_SCALE=head)")
+            clash(("kv_ema", "kv_scale"), f"an EMA applies to per-head scales only ({name('kv_scale')}=head)")
         if v["v_percentile"] is not None and fmt_v == "bf16":
             clash(("v_percentile", "kv_fmt_v"), "values are not quantized")
         ring = v["ring_mode"] or "roll"
@@ -270,47 +276,42 @@ class Settings:
     kv: KVSettings = KVSettings()
 
     @classmethod
-    def resolve(cls, inference: Mapping | None = None, environ: Mapping[str, str] | None = None) -> "Settings":
-        """defaults < config ``inference:`` section < OWL_* environment variables."""
-        environ = os.environ if environ is None else environ
+    def from_config(cls, inference: Mapping | None = None) -> "Settings":
+        """Defaults under a config's ``inference:`` section (no flags)."""
         inference = dict(inference or {})
-        by_field = {f.field: f for f in FLAGS}
-        # The codec flags act together: once any is set in the environment, the config's codec
-        # choice steps aside (OWL_FP8_KV=1 means fp8 even where the config says kv_storage: int8).
-        if any(by_field[f].env in environ for f in CODEC_FIELDS):
-            inference = {k: v for k, v in inference.items() if k not in CODEC_FIELDS}
-        for key in sorted(set(inference) - set(by_field)):
-            warnings.warn(f"config inference.{key} is not a known setting; known: {sorted(by_field)}", stacklevel=2)
-        for name in sorted(k for k in environ if k.startswith("OWL_") and k not in KNOWN):
-            warnings.warn(f"{name} is not a known OWL_* flag and is ignored; known flags: {', '.join(KNOWN)}",
-                          stacklevel=2)
-        values, sources = {}, {}
-        for flag in FLAGS:
-            raw, source = flag.default, None
-            if flag.field in inference:
-                raw, source = inference[flag.field], f"config inference.{flag.field}"
-            if flag.env in environ:
-                raw, source = environ[flag.env], flag.env
-            if source is None:
-                values[flag.field] = raw
-                continue
-            sources[flag.field] = f"{source}={raw!r}" if source == flag.env else f"{source}: {raw!r}"
-            try:
-                values[flag.field] = flag.parse(raw)
-            except (ValueError, TypeError):
-                raise SettingsError(f"{source}={raw!r} is malformed; accepted values: {flag.parse.accepted}") from None
-        return cls._finish(values, lambda f: sources.get(f, f"{by_field[f].env} (unset)"))
+        for key in sorted(set(inference) - set(BY_FIELD)):
+            warnings.warn(f"config inference.{key} is not a known setting; known: {sorted(BY_FIELD)}", stacklevel=2)
+        return cls.parse({k: v for k, v in inference.items() if k in BY_FIELD}, lambda f: f"config inference.{f}")
 
     @classmethod
-    def _finish(cls, v: dict, source: Callable[[str], str]) -> "Settings":
+    def parse(cls, raw: Mapping, name: Callable[[str], str] | None = None) -> "Settings":
+        """Settings from raw values by field name (unnamed fields take their defaults).
+        ``name(field)`` is how errors call a field: where its value came from (default: the field)."""
+        name = name or (lambda f: f)
+        values, said = {}, {}
+        for option in OPTIONS:
+            if option.field not in raw:
+                values[option.field] = option.default
+                continue
+            value = raw[option.field]
+            said[option.field] = f"{name(option.field)}={value!r}"
+            try:
+                values[option.field] = option.parse(value)
+            except (ValueError, TypeError):
+                raise SettingsError(f"{said[option.field]} is malformed; accepted values: {option.parse.accepted}",
+                                    (option.field,)) from None
+        return cls._finish(values, lambda f: said.get(f, f"{name(f)} (unset)"), name)
+
+    @classmethod
+    def _finish(cls, v: dict, source: Callable[[str], str], name: Callable[[str], str]) -> "Settings":
         device = v["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device.startswith("cuda") and not torch.cuda.is_available():
-            raise SettingsError(f"OWL_DEVICE={device!r} but no CUDA device is available; use OWL_DEVICE=cpu")
+            raise SettingsError(f"{source('device')} but no CUDA device is available; use {name('device')}=cpu", ("device",))
         if v["kv_recompute_every"] and v["kv_cache"] == "none":
             raise SettingsError(f"{source('kv_recompute_every')} rebuilds the KV cache, but "
-                                f"{source('kv_cache')} runs without one; unset one of them")
+                                f"{source('kv_cache')} runs without one; unset one of them", ("kv_recompute_every", "kv_cache"))
         backend = v["attn_backend"]
         if backend == "auto":
             # FlexAttention is fast only when compiled (Triton); eager it runs an unfused
@@ -323,7 +324,7 @@ class Settings:
                    kv_recompute_every=v["kv_recompute_every"], kv_recompute_anchor=v["kv_recompute_anchor"],
                    kv_cache_attention_bias=float(v["kv_cache_attention_bias"]),
                    tp_check_every=v["tp_check_every"], tp_timeout_s=float(v["tp_timeout_s"]),
-                   kv=KVSettings.resolve(v, source, v["kv_cache"]))
+                   kv=KVSettings.resolve(v, source, name, v["kv_cache"]))
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -8,11 +8,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, WorldConfig
-
-
-def to_unit(frames_u8: torch.Tensor) -> torch.Tensor:
-    """uint8 images -> float in [-1, 1] (the autoencoders' input range)."""
-    return frames_u8.float() / 127.5 - 1
+from .controls import to_unit
 
 
 class FrameDecoder(nn.Module):

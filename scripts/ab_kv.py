@@ -82,26 +82,24 @@ def worker(spec_path: Path):
         from tqdm import tqdm
 
         from inference.causvid_pipeline import CausvidPipeline
-        from inference.profiler import peak_memory_mb
+        from inference.flags import resolve_settings
         from owl_wms.config import load_config
-        from owl_wms.settings import Settings, without_kv
+        from owl_wms.controls import to_uint8
+        from owl_wms.engine.profiler import peak_memory_mb
+        from owl_wms.maze.worlds import load_level
+        from owl_wms.settings import without_kv
 
         cfg_path = Path(spec["checkpoint"]) / "config.yaml"
         # The variant's OWL_* flags alone choose the cache plan (not the config's default plan).
-        settings = Settings.resolve(without_kv(load_config(cfg_path).inference))
+        settings = resolve_settings(without_kv(load_config(cfg_path).inference))
         settings = settings.replace(profile_kv=True, profile_kv_first=0, profile_kv_every=10**9)
         pipe = CausvidPipeline.from_checkpoint(spec["checkpoint"], settings=settings, clip=None, verbose=False)
         if spec.get("world_seed") is not None:
-            pipe.load_world(spec["world_seed"], future=0)
+            load_level(pipe, spec["world_seed"], future=0)
         else:
             pipe.load_clip(spec["clip"])
-        if spec.get("fault") == "nan_scale":  # test-only: values read back through a broken (0/0) scale
-            read = pipe.cache.attend_window
-            pipe.cache.attend_window = lambda layer, k=None, v=None: (lambda r: (r[0], r[1] * float("nan"), r[2]))(
-                read(layer, k, v))
         history = pipe.decoder.decode(pipe.clip.latents[-4:].to(pipe.device) * pipe.vae_scale)
-        np.save(out / "history.npy", ((history.permute(0, 2, 3, 1) + 1) * 127.5).round().clamp(0, 255)
-                .to(torch.uint8).cpu().numpy())
+        np.save(out / "history.npy", to_uint8(history).numpy())
         frames, velocities, timings = [], [], []
         graphs = None
         for i, (mouse, buttons) in enumerate(tqdm(spec["actions"], desc=spec["name"], unit="frame", file=sys.stderr)):
@@ -150,7 +148,7 @@ def run_variant(name, env, spec, folder: Path) -> dict:
 
 
 def frame_metrics_batch(a: np.ndarray, b: np.ndarray):
-    from owl_wms.evaluation import frame_metrics
+    from owl_wms.maze.evaluation import frame_metrics
 
     return [frame_metrics(x, y) for x, y in zip(a, b)]
 
@@ -307,7 +305,6 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="noise seed (identical for every variant)")
     p.add_argument("--fps", type=float, default=15.0)
     p.add_argument("--out", default="eval/ab")
-    p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # test-only: NAME=fault for one variant
     args = p.parse_args(argv)
 
     from inference.actions import load_actions
@@ -349,8 +346,7 @@ def main(argv=None):
 
     results, failed = [], []
     for i, (name, env) in enumerate(tqdm(variants, desc="variants", unit="variant")):
-        res = run_variant(name, env, {**spec, "fault": args.fault.split("=")[1] if args.fault and
-                                      args.fault.split("=")[0] == name else None}, out / name)
+        res = run_variant(name, env, spec, out / name)
         if "error" in res:
             if name == "baseline":
                 raise SystemExit(f"error: the baseline crashed, nothing to compare: {res['error']}")
@@ -360,10 +356,11 @@ def main(argv=None):
         results.append(res)
     real = None
     if world_seed is not None:  # what the simulator shows under the same history and actions
-        from owl_wms.data import rollout_episode
+        from owl_wms.maze.data import rollout_episode
+        from owl_wms.maze.worlds import sim_config
 
         frames, _, _ = rollout_episode(world_seed, world.pipeline.window_frames, then=actions,
-                                       config=world.sim_config(*results[0]["frames"].shape[1:3]))
+                                       config=sim_config(world, *results[0]["frames"].shape[1:3]))
         real = frames[world.pipeline.window_frames:]
     for r in results:
         analyse(r, results[0], real)

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from inference.flags import resolve_settings
 from owl_wms.cache import build_cache
 from owl_wms.config import PRODUCTION, ModelConfig
 from owl_wms.quant import Fused
@@ -54,7 +55,7 @@ MATRIX = {  # the original notes' v0..v4
 
 
 def kv_settings(env: dict) -> Settings:
-    return Settings.resolve({}, env)
+    return resolve_settings({}, env)
 
 
 def make_cache(cfg: ModelConfig, layout: str, env: dict, device, dtype, compiled: bool = False):

@@ -22,6 +22,7 @@ from inference.causvid_pipeline import CausvidPipeline
 from owl_wms import attention
 from owl_wms.attention import query_chunk_tokens
 from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
+from owl_wms.controls import no_controls
 from owl_wms.model import GameRFT
 from owl_wms.settings import Settings
 from scripts.common import machine
@@ -113,7 +114,7 @@ def main(argv=None):
         prod = CausvidPipeline(model, None, world, settings, verbose=False)
         c, s = cfg.channels, cfg.sample_size
         w = args.prod_window
-        history = (torch.randn(w, c, s, s), torch.zeros(w, 2), torch.zeros(w, 11))
+        history = (torch.randn(w, c, s, s), *no_controls(w))
         prod.prefill(*history)
         rows.append(row(f"production-size ({params / 1e6:.0f}M params, window {w}) denoise only",
                         timed(lambda: prod.generate(*walk), args.prod_frames, 1, sync)))

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from inference.causvid_pipeline import CausvidPipeline
+from inference.flags import resolve_settings
 from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
+from owl_wms.controls import no_controls
 from owl_wms.model import GameRFT
 from owl_wms.parallel import ParallelContext
 from owl_wms.settings import Settings
@@ -64,7 +66,7 @@ def production_pipeline(settings: Settings, window: int, tp) -> CausvidPipeline:
     if tp is None or tp.is_leader:
         c, s = cfg.channels, cfg.sample_size
         g = torch.Generator().manual_seed(0)
-        pipe.prefill(torch.randn(window, c, s, s, generator=g), torch.zeros(window, 2), torch.zeros(window, 11))
+        pipe.prefill(torch.randn(window, c, s, s, generator=g), *no_controls(window))
     return pipe
 
 
@@ -74,7 +76,7 @@ def worker(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tp = ParallelContext.launch(args.tp, "cpu", 120.0, 16) if args.tp > 1 else None
-    base = Settings.resolve(None, {"OWL_DEVICE": args.device})
+    base = resolve_settings(None, {"OWL_DEVICE": args.device})
     if args.model == "production":
         settings = base.replace(dtype=dtype)
         pipe = production_pipeline(settings, args.prod_window, tp)
@@ -83,12 +85,12 @@ def worker(args) -> None:
         ckpt = Path(__file__).resolve().parent.parent / "checkpoints" / "maze-world"
         from owl_wms.config import load_config
 
-        settings = Settings.resolve(load_config(ckpt / "config.yaml").inference,
+        settings = resolve_settings(load_config(ckpt / "config.yaml").inference,
                                     {"OWL_DEVICE": args.device}).replace(dtype=dtype)
         pipe = CausvidPipeline.from_checkpoint(ckpt, settings=settings, verbose=False, tp=tp)
         step = lambda: pipe.decode(pipe.generate(*WALK))  # noqa: E731
     if tp is not None and not tp.is_leader:
-        pipe.follow()
+        pipe.tp.follow()
         tp.shutdown()
         return
     totals = {"comm": 0.0}

@@ -3,7 +3,7 @@ one masked SDPA call per layer (the reference for the chunked attention), measur
 
     python -m scripts.bench_train [--config configs/maze_world.yaml] [--batch 4] [--steps 10]
 
-The step is train_world's own (``owl_wms.training.world.train_step``: bf16 autocast,
+The step is train_world's own (``owl_wms.maze.training.world.train_step``: bf16 autocast,
 rectified-flow loss, clipped AdamW, schedule, EMA) on random latents of the config's shape,
 so it runs on a fresh clone. The variants' steps alternate, so drift in the machine's speed
 touches every side of each ratio; the first step (with the compile) is reported apart from
@@ -20,7 +20,7 @@ import torch
 
 from owl_wms.attention import query_chunk_tokens
 from owl_wms.config import load_config
-from owl_wms.training.world import sample_times, train_step, world_trainer
+from owl_wms.maze.training.world import sample_times, train_step, world_trainer
 
 from .common import machine
 

@@ -61,12 +61,12 @@ def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool
 
     from inference.actions import load_actions
     from inference.causvid_pipeline import CausvidPipeline
-    from owl_wms.settings import Settings
+    from inference.flags import resolve_settings
 
     rows = []
     actions = load_actions("walk_turn", frames + warmup)
     for name, env in modes.items():
-        settings = Settings.resolve({}, {**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"})
+        settings = resolve_settings({}, {**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"})
         pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
         times, graphs = [], 0
         for i in range(frames + warmup):

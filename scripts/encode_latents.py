@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from owl_wms.data import episode_options
-from owl_wms.training import file_stage_clock
+from owl_wms.maze.data import episode_options
+from owl_wms.maze.training import file_stage_clock
 from owl_wms.config import ConfigError
 from owl_wms.vae import FrameDecoder, load_autoencoder
 

@@ -15,11 +15,11 @@ the teacher-forced PSNR of an N-step Euler sampler for comparison (--euler-steps
 diagnostics: copy-previous PSNR (repeat the last real frame) and action response (PSNR between
 teacher-forced predictions under true and foreign actions with the same noise), walking forward
 with the mouse at rest against barely moving (--rest-frames), and the
-simulator's own answers to the same questions (``owl_wms.evaluation.simulator_responses``).
+simulator's own answers to the same questions (``owl_wms.maze.evaluation.simulator_responses``).
 The target figures are also kept level by level (``per_level``) with the standard error of
 their means (``standard_error``): levels differ far more than frames do, so judge a target
 with it, and use more --episodes for a tighter figure.
-Level seeds start at owl_wms.data.HELD_OUT_SEED (+ --seed-offset): never used in training.
+Level seeds start at owl_wms.maze.data.HELD_OUT_SEED (+ --seed-offset): never used in training.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ import torch
 from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
-from owl_wms.data import HELD_OUT_SEED, POLICY_STYLES
-from owl_wms.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
+from owl_wms.maze.data import HELD_OUT_SEED, POLICY_STYLES
+from owl_wms.maze.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
                                  simulator_responses, standard_error, teacher_forced, turn_following,
                                  turn_following_summary)
 
@@ -54,7 +54,7 @@ def main(argv=None):
                    help="other weights for the checkpoint's model, e.g. a training run's work/world/ema_core.pt")
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--policy", default="explore", choices=sorted(POLICY_STYLES),
-                   help="policy style that drives the held-out episodes (owl_wms.data)")
+                   help="policy style that drives the held-out episodes (owl_wms.maze.data)")
     p.add_argument("--seed-offset", type=int, default=0)
     p.add_argument("--frames", type=int, default=64, help="autoregressive frames per episode")
     p.add_argument("--tf-frames", type=int, default=32, help="teacher-forced frames per episode")

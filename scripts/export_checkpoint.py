@@ -22,11 +22,12 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from omegaconf import OmegaConf
 
-from owl_wms.config import SIM_KEYS, load_config
-from owl_wms.data import EPISODE_OPTIONS, OPEN_WALL, episode_options, level_clip
+from owl_wms.config import load_config
 from owl_wms.loading import CheckpointError, load_weights
+from owl_wms.maze.data import EPISODE_OPTIONS, OPEN_WALL, episode_options, level_clip
+from owl_wms.maze.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD
+from owl_wms.maze.worlds import SIM_KEYS, sim_config
 from owl_wms.model import GameRFT
-from owl_wms.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD
 
 from .common import machine
 
@@ -280,7 +281,7 @@ def main(argv=None):
     shutil.rmtree(clip_dir, ignore_errors=True)
     clip_dir.mkdir(parents=True)
     c, s = world.model.channels, world.model.sample_size
-    sim = world.sim_config(*coder.decode(torch.zeros(1, c, s, s)).shape[-2:])  # at the decoder's frame size
+    sim = sim_config(world, *coder.decode(torch.zeros(1, c, s, s)).shape[-2:])  # at the decoder's frame size
     for i in range(args.clips):
         clip, _ = level_clip(coder, CLIP_SEED + i, world.pipeline.window_frames, args.future, sim)
         clip.save(clip_dir / f"clip_{i:02d}.safetensors")
@@ -295,7 +296,7 @@ def main(argv=None):
         f"A GameRFT world model ({n_params / 1e6:.1f}M parameters, {world.model.n_layers} layers, d_model "
         f"{world.model.d_model}, {world.model.n_heads} heads, {world.model.channels}-channel "
         f"{world.model.sample_size}x{world.model.sample_size} latents, window {world.pipeline.window_frames} frames) "
-        "trained from scratch on our maze simulator (owl_wms/simulator.py). Recreate it with:", "",
+        "trained from scratch on our maze simulator (owl_wms/maze/simulator.py). Recreate it with:", "",
         "```",
         *chain_commands(episodes, train, vae_metrics, args.world),
         "```", "",

@@ -7,7 +7,7 @@
 One safetensors file per episode (``frames`` uint8 [n,H,W,3], ``mouse`` [n,2], ``buttons``
 [n,11], ``wall_ahead`` [n]: the nearest wall ahead when each action was chosen, so training can
 find the turns made in the open; metadata: level seed). Level seeds are ``seed + i``; held-out
-evaluation uses seeds from ``owl_wms.data.HELD_OUT_SEED`` up. ``--workers N`` renders N episodes
+evaluation uses seeds from ``owl_wms.maze.data.HELD_OUT_SEED`` up. ``--workers N`` renders N episodes
 at once (the files are those one process writes). Resumable: finished episodes are skipped;
 each file is written to a temporary name and renamed, so a stopped run leaves no half file.
 """
@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from owl_wms.data import (EPISODE_OPTIONS, POLICY_STYLES, episode_options, episode_style, policy_mixture, rollout_episode,
+from owl_wms.maze.data import (EPISODE_OPTIONS, POLICY_STYLES, episode_options, episode_style, policy_mixture, rollout_episode,
                           wall_ahead)
-from owl_wms.simulator import SimConfig
-from owl_wms.training import file_stage_clock
+from owl_wms.maze.simulator import SimConfig
+from owl_wms.maze.training import file_stage_clock
 
 
 def write_episode(level: int, frames: int, cfg: SimConfig, style: str, out: str) -> None:
@@ -55,9 +55,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="first level seed")
     p.add_argument("--size", type=int, default=64, help="frame width = height")
     p.add_argument("--corridor", type=int, default=EPISODE_OPTIONS["corridor"],
-                   help="floor width of the maze's corridors in grid units (owl_wms.simulator.SimConfig.corridor)")
+                   help="floor width of the maze's corridors in grid units (owl_wms.maze.simulator.SimConfig.corridor)")
     p.add_argument("--policy", default=EPISODE_OPTIONS["policy"],
-                   help=f"mouse style of the exploring policy (owl_wms.data): one of {sorted(POLICY_STYLES)}, or "
+                   help=f"mouse style of the exploring policy (owl_wms.maze.data): one of {sorted(POLICY_STYLES)}, or "
                         "several joined by '+' that episodes take in turn (still+explore: even episodes still, odd "
                         "explore, counted from --seed)")
     p.add_argument("--workers", type=int, default=1, help="episodes rendered at once (processes)")

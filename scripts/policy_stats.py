@@ -1,4 +1,4 @@
-"""How a data policy's turns go with walls (owl_wms.data.turn_wall_statistics).
+"""How a data policy's turns go with walls (owl_wms.maze.data.turn_wall_statistics).
 
     python -m scripts.policy_stats [--policy explore lively] [--corridor 1] [--levels 16] [--frames 256]
 
@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from owl_wms.data import POLICY_STYLES, turn_wall_statistics
+from owl_wms.maze.data import POLICY_STYLES, turn_wall_statistics
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", nargs="+", default=sorted(POLICY_STYLES), choices=sorted(POLICY_STYLES))
     p.add_argument("--corridor", type=int, nargs="+", default=[1],
-                   help="corridor widths of the maze (owl_wms.simulator.SimConfig.corridor), one line each")
+                   help="corridor widths of the maze (owl_wms.maze.simulator.SimConfig.corridor), one line each")
     p.add_argument("--levels", type=int, default=16)
     p.add_argument("--frames", type=int, default=256)
     args = p.parse_args(argv)

@@ -19,9 +19,10 @@ import torch
 from tqdm import tqdm
 
 from inference.causvid_pipeline import CausvidPipeline
-from owl_wms.data import HELD_OUT_SEED
-from owl_wms.evaluation import Episode, frame_metrics
-from owl_wms.settings import Settings, without_kv
+from inference.flags import resolve_settings
+from owl_wms.maze.data import HELD_OUT_SEED
+from owl_wms.maze.evaluation import Episode, frame_metrics
+from owl_wms.settings import without_kv
 
 from .common import machine, preset_env
 
@@ -74,7 +75,7 @@ def main(argv=None):
     rows, frames = [], {}
     for name in names:
         env = preset_env(VARIANTS[name], n_layers)
-        pipe = CausvidPipeline(base.model, base.decoder, base.world, Settings.resolve(without_kv(base.world.inference), env),
+        pipe = CausvidPipeline(base.model, base.decoder, base.world, resolve_settings(without_kv(base.world.inference), env),
                                verbose=False)
         pipe.load_clip(ep.clip)
         got = []

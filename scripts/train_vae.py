@@ -22,9 +22,10 @@ import torch
 from tqdm import tqdm
 
 from owl_wms.config import ConfigError
-from owl_wms.training import RunLog, load_training_state, save_training_state, warmup_cosine
-from owl_wms.training.vae import build_autoencoder, load_frames, psnr, vae_loss
-from owl_wms.vae import load_autoencoder, to_unit
+from owl_wms.controls import to_unit
+from owl_wms.maze.training import RunLog, load_training_state, save_training_state, warmup_cosine
+from owl_wms.maze.training.vae import build_autoencoder, load_frames, psnr, vae_loss
+from owl_wms.vae import load_autoencoder
 
 
 def base_metrics(folder: str) -> dict | None:

@@ -22,9 +22,9 @@ from tqdm import tqdm
 from owl_wms.config import load_config
 from owl_wms.loading import load_weights, read_state_dict
 from owl_wms.model import GameRFT
-from owl_wms.training import (DEFAULT_WORLD_CONFIG, WORLD_RECORD, RunLog, load_training_state, save_training_state,
+from owl_wms.maze.training import (DEFAULT_WORLD_CONFIG, WORLD_RECORD, RunLog, load_training_state, save_training_state,
                               warmup_cosine)
-from owl_wms.training.world import LatentEpisodes, sample_times, train_step, world_trainer
+from owl_wms.maze.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
 
 # Flags that change what is trained (not where it is read, written or run), so MODEL.md's

@@ -1,5 +1,6 @@
 """A/B runs: determinism, fault detection by the health metrics, report files, crash handling."""
 import csv
+import os
 import subprocess
 import sys
 
@@ -13,10 +14,12 @@ from .conftest import REPO
 @pytest.fixture(scope="module")
 def ab_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ab")
+    # The "broken" variant's worker reads values through a NaN scale (tests/faults/sitecustomize.py).
+    env = {**os.environ, "TEST_FAULT": "nan_scale@broken", "PYTHONPATH": f"{REPO / 'tests' / 'faults'}:{REPO}"}
     r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--frames", "4", "--out", str(out),
                         "--variant", "again:", "--variant", "int8_kv", "--variant", "broken:OWL_RING_MODE=pointer",
-                        "--variant", "crash:OWL_KV_BITS=5", "--fault", "broken=nan_scale"],
-                       cwd=REPO, capture_output=True, text=True, timeout=900)
+                        "--variant", "crash:OWL_KV_BITS=5"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     return r, out
 
 

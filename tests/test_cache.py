@@ -109,13 +109,13 @@ def test_modes_agree_where_global_window_is_below_the_window_through_observe_and
     (generated or observed) sees the whole window on global layers; the roll, the in-place ring
     and the no-cache baseline build the same frames, with soft forgetting switched on mid-rollout
     (the baseline recomputes each frame under the bias it was cached with)."""
-    from owl_wms.settings import Settings
+    from inference.flags import resolve_settings
 
     from .conftest import fp32_settings, random_model, tiny_world
     from inference.causvid_pipeline import CausvidPipeline
 
     cfg = tiny_config(global_window=2, local_window=2, local_idx=2)
-    inplace = Settings.resolve({}, {"OWL_RING_MODE": "inplace"}).kv
+    inplace = resolve_settings({}, {"OWL_RING_MODE": "inplace"}).kv
     outs = {}
     for name, extra in (("roll", {}), ("inplace", {"kv": inplace}), ("none", {"kv_cache": "none"})):
         pipe = CausvidPipeline(random_model(cfg), None, tiny_world(cfg, 5), fp32_settings(**extra), verbose=False)

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from owl_wms.evaluation import frame_metrics, standard_error
+from owl_wms.maze.evaluation import frame_metrics, standard_error
 
 
 def test_frame_metrics_known_values():
@@ -88,7 +88,7 @@ def test_eval_scores_the_schedule_it_is_given(tmp_path):
 
 
 def test_rollout_sheet_puts_the_real_frames_above_the_predictions():
-    from owl_wms.evaluation import rollout_sheet
+    from owl_wms.maze.evaluation import rollout_sheet
 
     real = np.zeros((6, 4, 4, 3), np.uint8)
     pred = np.full((6, 4, 4, 3), 100, np.uint8)
@@ -103,8 +103,8 @@ def test_rollout_sheet_puts_the_real_frames_above_the_predictions():
 def test_action_response_isolates_the_actions():
     """Same actions and noise give the same frame; the prediction is not committed to the cache."""
     from inference.causvid_pipeline import CausvidPipeline
-    from owl_wms.data import HELD_OUT_SEED
-    from owl_wms.evaluation import Episode, action_response, copy_previous
+    from owl_wms.maze.data import HELD_OUT_SEED
+    from owl_wms.maze.evaluation import Episode, action_response, copy_previous
 
     pipe = CausvidPipeline.from_checkpoint(clip=None, verbose=False)
     a, b = Episode(pipe, HELD_OUT_SEED, 3), Episode(pipe, HELD_OUT_SEED + 1, 3)
@@ -119,8 +119,8 @@ def test_simulator_responses_branch_from_the_real_states():
     """The replay reaches the episode's real frames; the episode's own actions as the 'foreign'
     ones reproduce every real frame (infinite PSNR), another episode's do not."""
     from inference.causvid_pipeline import CausvidPipeline
-    from owl_wms.data import HELD_OUT_SEED
-    from owl_wms.evaluation import Episode, replay, simulator_responses
+    from owl_wms.maze.data import HELD_OUT_SEED
+    from owl_wms.maze.evaluation import Episode, replay, simulator_responses
 
     pipe = CausvidPipeline.from_checkpoint(clip=None, verbose=False)
     a, b = Episode(pipe, HELD_OUT_SEED, 6), Episode(pipe, HELD_OUT_SEED + 1, 6)
@@ -133,8 +133,8 @@ def test_simulator_responses_branch_from_the_real_states():
 
 
 def test_horizontal_shift_finds_a_known_slide_and_the_simulators_turn_direction():
-    from owl_wms.evaluation import horizontal_shift
-    from owl_wms.simulator import MazeSim, SimConfig
+    from owl_wms.maze.evaluation import horizontal_shift
+    from owl_wms.maze.simulator import MazeSim, SimConfig
 
     rng = np.random.default_rng(1)
     a = rng.integers(0, 256, size=(32, 80, 3), dtype=np.uint8)

@@ -16,6 +16,7 @@ from inference.actions import apply_event, load_actions, write_action_file
 from inference.causvid_pipeline import CausvidPipeline
 from inference.video import count_frames, read_frames
 from owl_wms.config import load_config
+from owl_wms.maze.worlds import load_level, pipeline_sim_config
 
 from .conftest import REPO
 
@@ -148,17 +149,17 @@ def test_fresh_levels_come_from_the_simulator_the_world_was_trained_on(tmp_path)
     the evaluation's episodes, in that maze (its history encodes the wide maze's frames)."""
     import shutil
 
-    from owl_wms.data import rollout_episode
-    from owl_wms.evaluation import Episode, replay
+    from owl_wms.maze.data import rollout_episode
+    from owl_wms.maze.evaluation import Episode, replay
 
     ckpt = tmp_path / "wide"
     shutil.copytree(REPO / "checkpoints" / "untrained-tiny", ckpt)
     with open(ckpt / "config.yaml", "a") as f:
         f.write("simulator:\n  corridor: 2\n")
     pipe = CausvidPipeline.from_checkpoint(ckpt, verbose=False)
-    assert pipe.sim_config.corridor == 2 and (pipe.sim_config.height, pipe.sim_config.width) == pipe.frame_shape
-    clip = pipe.load_world(3, future=4)
-    wide, _, _ = rollout_episode(3, pipe.window, config=pipe.sim_config)
+    assert pipeline_sim_config(pipe).corridor == 2 and (pipeline_sim_config(pipe).height, pipeline_sim_config(pipe).width) == pipe.frame_shape
+    clip = load_level(pipe, 3, future=4)
+    wide, _, _ = rollout_episode(3, pipe.window, config=pipeline_sim_config(pipe))
     narrow, _, _ = rollout_episode(3, pipe.window)
     assert torch.equal(clip.latents, pipe.decoder.encode_uint8(wide))
     assert not torch.equal(clip.latents, pipe.decoder.encode_uint8(narrow))
@@ -169,10 +170,10 @@ def test_fresh_levels_come_from_the_simulator_the_world_was_trained_on(tmp_path)
 
 def test_world_seed_starts_from_a_fresh_simulator_level(tmp_path):
     pipe = CausvidPipeline.from_checkpoint(verbose=False)
-    clip = pipe.load_world(3, future=40)
+    clip = load_level(pipe, 3, future=40)
     assert clip.name == "world-3" and clip.latents.shape == (32, pipe.cfg.channels, 8, 8) and clip.future_mouse.shape == (40, 2)
     a = pipe([0, 0], [0] * 11)[0]
-    pipe.load_world(4, future=40)
+    load_level(pipe, 4, future=40)
     assert not torch.equal(a, pipe([0, 0], [0] * 11)[0])
     r = run("--headless", "--world-seed", "3", "--frames", "4", "--out", str(tmp_path / "w.mp4"))
     assert r.returncode == 0, r.stderr
@@ -194,13 +195,13 @@ def test_the_simulator_plays_on_beside_the_model_from_the_same_level(tmp_path):
     """--beside-simulator: the left view is the simulator's frame under the controls the model's
     frame used (the level's recorded ones in ground-truth mode), exactly the episode's next frames;
     a restart and a snapshot/restore move it with the pipeline."""
-    from owl_wms.data import rollout_episode
+    from owl_wms.maze.data import rollout_episode
 
-    from inference.game_cv import SimulatorBeside
+    from inference.headless import SimulatorBeside
 
     pipe = CausvidPipeline.from_checkpoint(wide_tiny_checkpoint(tmp_path), ground_truth=True, verbose=False)
-    pipe.load_world(3, future=6)
-    real, _, _ = rollout_episode(3, pipe.window + 6, config=pipe.sim_config)  # the level's recorded episode
+    load_level(pipe, 3, future=6)
+    real, _, _ = rollout_episode(3, pipe.window + 6, config=pipeline_sim_config(pipe))  # the level's recorded episode
     beside = SimulatorBeside(pipe)
     h, w = pipe.frame_shape
 
@@ -225,11 +226,11 @@ def test_the_simulator_plays_on_beside_the_model_from_the_same_level(tmp_path):
 def test_clips_record_their_level_and_the_cli_puts_the_simulator_beside(tmp_path):
     from owl_wms.clips import Clip, load_clip
 
-    from inference.game_cv import SimulatorBeside
+    from inference.headless import SimulatorBeside
 
     ckpt = wide_tiny_checkpoint(tmp_path)
     pipe = CausvidPipeline.from_checkpoint(ckpt, verbose=False)
-    clip = pipe.load_world(5, future=3)
+    clip = load_level(pipe, 5, future=3)
     assert clip.level == {"seed": 5, "simulator": {**clip.level["simulator"], "corridor": 2}}
     clip.save(tmp_path / "level.safetensors")
     assert load_clip(tmp_path / "level.safetensors", pipe.cfg.channels, pipe.cfg.sample_size).level == clip.level
@@ -266,14 +267,14 @@ def test_clips_record_their_level_and_the_cli_puts_the_simulator_beside(tmp_path
 
 
 def test_shipped_clips_record_their_level_so_the_simulator_plays_beside():
-    from owl_wms.data import rollout_episode
+    from owl_wms.maze.data import rollout_episode
 
-    from inference.game_cv import SimulatorBeside
+    from inference.headless import SimulatorBeside
     from scripts.export_checkpoint import CLIP_SEED
 
     pipe = CausvidPipeline.from_checkpoint(ground_truth=True, verbose=False)  # clip 0 of the shipped world
-    assert pipe.clip.level["seed"] == CLIP_SEED and pipe.clip.level["simulator"]["corridor"] == pipe.sim_config.corridor
-    real, _, _ = rollout_episode(CLIP_SEED, pipe.window + 2, config=pipe.sim_config)
+    assert pipe.clip.level["seed"] == CLIP_SEED and pipe.clip.level["simulator"]["corridor"] == pipeline_sim_config(pipe).corridor
+    real, _, _ = rollout_episode(CLIP_SEED, pipe.window + 2, config=pipeline_sim_config(pipe))
     beside = SimulatorBeside(pipe)
     for k in range(2):
         model = pipe(None, None)[0].numpy()

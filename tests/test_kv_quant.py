@@ -3,10 +3,11 @@ import pytest
 import torch
 
 from inference.causvid_pipeline import CausvidPipeline
+from inference.flags import resolve_settings
 from owl_wms.cache import QuantizedStaticCache, RingGuardError, StaticCache, build_cache, plan_layers
 from owl_wms.layouts import Layout
 from owl_wms.quant import CODECS, Quantizer, ScalePolicy, make_codec, stored_scale
-from owl_wms.settings import KVSettings, Settings, SettingsError
+from owl_wms.settings import KVSettings, SettingsError
 
 from .conftest import fp32_settings, golden_decode, golden_error, golden_frames, random_model, tiny_config, tiny_world
 from .conftest import rollout as shared_rollout
@@ -18,7 +19,7 @@ POLICIES = [ScalePolicy("token"), ScalePolicy("channel"), ScalePolicy("head"), S
 
 
 def kv(**env) -> KVSettings:
-    return Settings.resolve({}, {k: str(v) for k, v in env.items()}).kv
+    return resolve_settings({}, {k: str(v) for k, v in env.items()}).kv
 
 
 def frames_like(n=3, tpf=16, dh=64, seed=0, spread=True):
@@ -438,7 +439,7 @@ def test_flags_resolve_to_a_plan():
     text = describe_plan(plans)
     assert text.startswith("L0: K=bf16 V=bf16 window=5") and "L3: K=int8/token V=int8/token window=3" in text
     # The config's inference: section mirrors the flags; the environment wins.
-    assert Settings.resolve({"kv_storage": "int4"}, {"OWL_KV_STORAGE": "int8"}).kv.fmt_k == "int8"
+    assert resolve_settings({"kv_storage": "int4"}, {"OWL_KV_STORAGE": "int8"}).kv.fmt_k == "int8"
 
 
 @pytest.mark.parametrize("env, match", [
@@ -493,9 +494,9 @@ def test_guard_checksum_report_is_printed_once(capsys):
 
 def test_environment_codec_flags_replace_the_config_codec_as_a_group():
     config = {"kv_storage": "int8", "ring_mode": "inplace"}
-    s = Settings.resolve(config, {"OWL_FP8_KV": "1", "OWL_K_FP8": "0"}).kv
+    s = resolve_settings(config, {"OWL_FP8_KV": "1", "OWL_K_FP8": "0"}).kv
     assert (s.fmt_k, s.fmt_v, s.ring_mode) == ("bf16", "fp8_e4m3", "inplace")
-    assert Settings.resolve(config, {}).kv.fmt_v == "int8"
+    assert resolve_settings(config, {}).kv.fmt_v == "int8"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -3,15 +3,16 @@ import pytest
 import torch
 
 from inference.causvid_pipeline import CausvidPipeline
-from inference.lifecycle import Lifecycle, LifecycleError, Phase, StepPlan
+from inference.flags import resolve_settings
 from owl_wms.attention import attend, dense_mask, history_bias_mask
-from owl_wms.settings import Settings, SettingsError
+from owl_wms.engine.lifecycle import Lifecycle, LifecycleError, Phase, StepPlan
+from owl_wms.settings import SettingsError
 from tests.conftest import fp32_settings, random_model, tiny_config, tiny_world
 
 CFG = tiny_config()
 W = 5
-INT8_INPLACE = dict(kv=Settings.resolve({}, {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}).kv)
-HEAD_EMA = dict(kv=Settings.resolve({}, {"OWL_KV_STORAGE": "int8", "OWL_KV_SCALE": "head", "OWL_KV_EMA": "0.9",
+INT8_INPLACE = dict(kv=resolve_settings({}, {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}).kv)
+HEAD_EMA = dict(kv=resolve_settings({}, {"OWL_KV_STORAGE": "int8", "OWL_KV_SCALE": "head", "OWL_KV_EMA": "0.9",
                                          "OWL_RING_MODE": "pointer"}).kv)
 
 
@@ -83,7 +84,7 @@ def test_bias_means_the_same_in_every_layout_and_without_a_cache():
     inplace (ring slots) and the cache-free recompute baseline agree; the bias changes frames."""
     ctrl = controls(7)  # past the ring's wrap-around (window 5)
     outs = {}
-    for name, extra in [("roll", {}), ("inplace", {"kv": Settings.resolve({}, {"OWL_RING_MODE": "inplace"}).kv}),
+    for name, extra in [("roll", {}), ("inplace", {"kv": resolve_settings({}, {"OWL_RING_MODE": "inplace"}).kv}),
                         ("none", {"kv_cache": "none"}), ("unbiased", None)]:
         pipe = make(**(extra if extra is not None else {}))
         if extra is not None:
@@ -97,8 +98,8 @@ def test_bias_means_the_same_in_every_layout_and_without_a_cache():
 
 def test_bias_setting_and_live_api_validate():
     with pytest.raises(SettingsError, match="OWL_KV_CACHE_ATTENTION_BIAS"):
-        Settings.resolve({}, {"OWL_KV_CACHE_ATTENTION_BIAS": "soft"})
-    assert Settings.resolve({}, {"OWL_KV_CACHE_ATTENTION_BIAS": "-1.5"}).kv_cache_attention_bias == -1.5
+        resolve_settings({}, {"OWL_KV_CACHE_ATTENTION_BIAS": "soft"})
+    assert resolve_settings({}, {"OWL_KV_CACHE_ATTENTION_BIAS": "-1.5"}).kv_cache_attention_bias == -1.5
     pipe = make()
     with pytest.raises(ValueError, match="kv_cache_attention_bias"):
         pipe.kv_cache_attention_bias = 1e6
@@ -150,7 +151,7 @@ def test_recompute_equals_a_fresh_prefill_of_the_same_history(kv):
 def test_recompute_from_decoded_frames_equals_a_hard_cut_to_those_images():
     """Shipped world: the decoded anchor re-encodes the frames the player saw."""
     every = 2
-    settings = Settings.resolve({}, {"OWL_KV_RECOMPUTE_EVERY": str(every), "OWL_KV_RECOMPUTE_ANCHOR": "decoded",
+    settings = resolve_settings({}, {"OWL_KV_RECOMPUTE_EVERY": str(every), "OWL_KV_RECOMPUTE_ANCHOR": "decoded",
                                      "OWL_DEVICE": "cpu", "OWL_DTYPE": "fp32"})
     a = CausvidPipeline.from_checkpoint(settings=settings, verbose=False)
     ctrl = [([4.0, 0.0], [1] + [0] * 10)] * (every + 1)
@@ -169,11 +170,11 @@ def test_recompute_from_decoded_frames_equals_a_hard_cut_to_those_images():
 
 def test_recompute_settings_are_checked():
     with pytest.raises(SettingsError, match="OWL_KV_RECOMPUTE_EVERY"):
-        Settings.resolve({}, {"OWL_KV_RECOMPUTE_EVERY": "-2"})
+        resolve_settings({}, {"OWL_KV_RECOMPUTE_EVERY": "-2"})
     with pytest.raises(SettingsError, match="OWL_KV_CACHE"):
-        Settings.resolve({}, {"OWL_KV_RECOMPUTE_EVERY": "4", "OWL_KV_CACHE": "none"})
+        resolve_settings({}, {"OWL_KV_RECOMPUTE_EVERY": "4", "OWL_KV_CACHE": "none"})
     with pytest.raises(SettingsError, match="latent|decoded"):
-        Settings.resolve({}, {"OWL_KV_RECOMPUTE_ANCHOR": "pixels"})
+        resolve_settings({}, {"OWL_KV_RECOMPUTE_ANCHOR": "pixels"})
 
 
 # -- snapshots ---------------------------------------------------------------------------------------
@@ -269,7 +270,7 @@ def test_snapshot_and_restore_events_branch_a_headless_rollout(tmp_path):
 
 
 def test_hard_cut_from_a_clip_or_a_fresh_level_counts_epochs():
-    settings = Settings.resolve({}, {"OWL_DEVICE": "cpu"})
+    settings = resolve_settings({}, {"OWL_DEVICE": "cpu"})
     pipe = CausvidPipeline.from_checkpoint(settings=settings, verbose=False)  # clip 0: epoch 1
     pipe.generate([0, 0], [1] + [0] * 10)
     assert pipe.hard_cut(clip=1) == 2 and pipe.clip.name == pipe.clip_paths[1].stem

@@ -109,19 +109,20 @@ def test_config_errors_are_specific(tmp_path):
 
 def test_simulator_section_is_checked_and_sizes_come_from_the_decoder(tmp_path):
     from owl_wms.config import ConfigError, load_config
+    from owl_wms.maze.worlds import sim_config
 
     text = (REPO / "configs" / "untrained_tiny.yaml").read_text()
     (tmp_path / "ok.yaml").write_text(text + "simulator:\n  corridor: 2\n")
     world = load_config(tmp_path / "ok.yaml")
-    sim = world.sim_config(48, 96)
+    sim = sim_config(world, 48, 96)
     assert (sim.corridor, sim.height, sim.width) == (2, 48, 96)
-    assert load_config(REPO / "configs" / "untrained_tiny.yaml").sim_config(64, 64).corridor == 1  # no section: the default
+    assert sim_config(load_config(REPO / "configs" / "untrained_tiny.yaml"), 64, 64).corridor == 1  # no section: the default
     for bad, message in (("corridor: 0", r"corridor.*whole number >= 1, got 0"),
                          ("corridors: 2", r"unknown simulator keys \['corridors'\]; known: .*'corridor'"),
                          ("width: 32", r"unknown simulator keys \['width'\].*the frame size is the decoder's")):
         (tmp_path / "bad.yaml").write_text(text + f"simulator:\n  {bad}\n")
         with pytest.raises(ConfigError, match=message):
-            load_config(tmp_path / "bad.yaml")
+            sim_config(load_config(tmp_path / "bad.yaml"), 64, 64)  # checked where the maze builds a level
 
 
 @pytest.mark.parametrize("name, trained", [("maze-world", True), ("untrained-tiny", False)])

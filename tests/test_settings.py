@@ -1,22 +1,23 @@
 import pytest
 import torch
 
-from owl_wms.settings import KNOWN, Settings, SettingsError
+from inference.flags import KNOWN, resolve_settings
+from owl_wms.settings import SettingsError
 
 
 def test_defaults_on_cpu():
-    s = Settings.resolve({}, environ={})
+    s = resolve_settings({}, environ={})
     assert s.device == "cpu" and s.dtype == torch.bfloat16 and s.attn_backend == "sdpa"
     assert s.attn_backend_decode == "sdpa" and not s.compile and not s.profile_kv and s.seed == 0
 
 
 def test_env_overrides_config_overrides_defaults():
-    s = Settings.resolve({"seed": 5, "dtype": "fp32", "attn_backend": "flex"}, environ={"OWL_SEED": "9"})
+    s = resolve_settings({"seed": 5, "dtype": "fp32", "attn_backend": "flex"}, environ={"OWL_SEED": "9"})
     assert s.seed == 9 and s.dtype == torch.float32 and s.attn_backend == "flex" and s.attn_backend_decode == "flex"
 
 
 def test_sdpa_decode_alias():
-    s = Settings.resolve({}, environ={"OWL_ATTN_BACKEND": "flex", "OWL_ATTN_SDPA_DECODE": "1"})
+    s = resolve_settings({}, environ={"OWL_ATTN_BACKEND": "flex", "OWL_ATTN_SDPA_DECODE": "1"})
     assert (s.attn_backend, s.attn_backend_decode) == ("flex", "sdpa")
 
 
@@ -25,24 +26,24 @@ def test_sdpa_decode_alias():
                                         ("OWL_DEVICE", "tpu")])
 def test_malformed_values_name_flag_value_and_accepted(flag, value):
     with pytest.raises(SettingsError) as err:
-        Settings.resolve({}, environ={flag: value})
+        resolve_settings({}, environ={flag: value})
     msg = str(err.value)
     assert flag in msg and repr(value) in msg and "accepted values" in msg
 
 
 def test_malformed_config_value_names_the_config_key():
     with pytest.raises(SettingsError, match="config inference.attn_backend='nope'"):
-        Settings.resolve({"attn_backend": "nope"}, environ={})
+        resolve_settings({"attn_backend": "nope"}, environ={})
 
 
 def test_unknown_flag_warns_and_lists_known():
     with pytest.warns(UserWarning, match="OWL_FP9_KV is not a known OWL_\\* flag") as rec:
-        Settings.resolve({}, environ={"OWL_FP9_KV": "1"})
+        resolve_settings({}, environ={"OWL_FP9_KV": "1"})
     assert all(name in str(rec[0].message) for name in KNOWN)
 
 
 def test_settings_are_immutable():
-    s = Settings.resolve({}, environ={})
+    s = resolve_settings({}, environ={})
     with pytest.raises(Exception):
         s.seed = 3
     assert "seed=0" in s.describe()

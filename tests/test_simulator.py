@@ -4,8 +4,8 @@ import copy
 import numpy as np
 import pytest
 
-from owl_wms.data import ExplorerPolicy, rollout_episode
-from owl_wms.simulator import DOOR, EMPTY, SWITCH, MazeSim, SimConfig
+from owl_wms.maze.data import ExplorerPolicy, rollout_episode
+from owl_wms.maze.simulator import DOOR, EMPTY, SWITCH, MazeSim, SimConfig
 
 NONE = [0] * 11
 
@@ -189,7 +189,7 @@ def test_still_policy_lets_go_of_the_mouse_and_the_others_stay_as_they_were():
                                       for s in range(4)]) for style in ("explore", "still")}
     assert not at_rest["explore"].any()
     assert 0.15 < at_rest["still"].mean() < 0.35
-    from owl_wms.data import turn_wall_statistics
+    from owl_wms.maze.data import turn_wall_statistics
 
     assert turn_wall_statistics("still", levels=1, frames=256, corridor=2)["at_rest_share"] == at_rest["still"][:256].mean()
     starts = np.flatnonzero(np.diff(at_rest["still"].astype(int)) == 1)
@@ -211,7 +211,7 @@ def test_sweep_and_roam_policies_turn_in_the_open_and_still_stays_as_it_was():
     sweep and roam existed (digest of HEAD's episode then)."""
     import hashlib
 
-    from owl_wms.data import turn_wall_statistics
+    from owl_wms.maze.data import turn_wall_statistics
 
     wide = SimConfig(corridor=2)
     f, m, b = rollout_episode(5, 120, style="still", config=wide)
@@ -237,7 +237,7 @@ def test_sweep_and_roam_policies_turn_in_the_open_and_still_stays_as_it_was():
 def test_turn_wall_statistics_see_explores_turns_at_walls(capsys):
     """The exploring policy turns hard when a wall is close ahead: its hard-turn frames face a
     near wall far more often than its steady ones (the statistic a world model picks up)."""
-    from owl_wms.data import turn_wall_statistics
+    from owl_wms.maze.data import turn_wall_statistics
     from scripts import policy_stats
 
     st = turn_wall_statistics("explore", levels=4, frames=128)
@@ -264,7 +264,7 @@ def test_one_unit_corridors_are_the_maze_the_shipped_world_learned():
     """corridor=1 draws the same levels as before the option existed (sha256 of the grids then)."""
     import hashlib
 
-    from owl_wms.simulator import generate_maze
+    from owl_wms.maze.simulator import generate_maze
 
     pinned = {0: "cbf9d4b48df07ba0", 1: "ca9f44978dab4c5d", 7: "9129d3061b5ee7bf", 123: "44d4749d78fde0e7"}
     for seed, digest in pinned.items():
@@ -274,7 +274,7 @@ def test_one_unit_corridors_are_the_maze_the_shipped_world_learned():
 
 @pytest.mark.parametrize("corridor", [2, 3])
 def test_wide_corridors_are_a_connected_maze_of_wide_passages(corridor):
-    from owl_wms.simulator import generate_maze
+    from owl_wms.maze.simulator import generate_maze
 
     for seed in range(4):
         grid, _ = generate_maze(seed, 5, 0.12, 0.08, corridor=corridor)
@@ -303,7 +303,7 @@ def test_e_opens_a_wide_door_whole():
 
 def test_wide_corridors_show_walls_further_away():
     """What wider corridors change for a world model: more of the view is deep, at every turn."""
-    from owl_wms.data import turn_wall_statistics
+    from owl_wms.maze.data import turn_wall_statistics
 
     narrow, wide = (turn_wall_statistics("explore", levels=2, frames=96, corridor=c) for c in (1, 2))
     assert wide["corridor"] == 2

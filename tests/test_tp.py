@@ -30,6 +30,11 @@ def game(tmp_path, *args, tp=2, env=None, actions=None, timeout=240):
     return p.returncode, p.stdout + p.stderr, time.perf_counter() - start
 
 
+def fault_env(fault: str) -> dict:
+    """Break rank 1 on purpose (tests/faults/sitecustomize.py)."""
+    return {"TEST_FAULT": fault, "PYTHONPATH": f"{REPO / 'tests' / 'faults'}:{REPO}"}
+
+
 FRAME = {"mouse": [4.0, 0.0], "buttons": [1] + [0] * 10}
 SCRIPT = [FRAME] * 4 + [{"event": "restart"}, {"event": "bias", "value": -1.0}] + [FRAME] * 4
 
@@ -67,7 +72,7 @@ def test_tp2_matches_one_process_through_cut_bias_and_recompute(tmp_path):
 def test_broken_rank_fails_every_rank_fast_with_a_clear_message(tmp_path, fault, message):
     import re
 
-    rc, log, secs = game(tmp_path, "--frames", "6", "--out", str(tmp_path / "x.mp4"), "--tp-fault", fault)
+    rc, log, secs = game(tmp_path, "--frames", "6", "--out", str(tmp_path / "x.mp4"), env=fault_env(fault))
     assert rc != 0
     assert re.search(message, log), log[-3000:]
     assert secs < 60, f"took {secs:.0f}s: a rank waited for a collective instead of failing"

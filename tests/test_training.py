@@ -7,8 +7,8 @@ import torch
 
 from owl_wms.config import load_config
 from owl_wms.model import GameRFT
-from owl_wms.training.vae import build_autoencoder, vae_loss
-from owl_wms.training.world import flow_loss, own_history, sample_times, teacher_first_step
+from owl_wms.maze.training.vae import build_autoencoder, vae_loss
+from owl_wms.maze.training.world import flow_loss, own_history, sample_times, teacher_first_step
 
 from .conftest import REPO
 

@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import save_file
 
 from owl_wms.config import ConfigError, ModelConfig
-from owl_wms.data import OPEN_WALL, ExplorerPolicy, turn_wall_statistics
+from owl_wms.maze.data import OPEN_WALL, ExplorerPolicy, turn_wall_statistics
 from owl_wms.model import GameRFT, MouseEmbedding, SmoothMouseEmbedding
-from owl_wms.simulator import MazeSim, SimConfig
-from owl_wms.training.world import LatentEpisodes
+from owl_wms.maze.simulator import MazeSim, SimConfig
+from owl_wms.maze.training.world import LatentEpisodes
 
 
 def test_turns_policy_turns_in_the_open_and_forgets_its_last_turn():
@@ -109,7 +109,7 @@ def test_weighted_windows_need_the_wall_record_and_say_so(tmp_path):
 
 
 def test_turn_following_is_reported_in_the_open_and_at_a_near_wall():
-    from owl_wms.evaluation import turn_following_summary
+    from owl_wms.maze.evaluation import turn_following_summary
 
     runs = [{"model": [1.0, 2.0, 0.0], "sim": [2.0, 2.0, 4.0], "forced": [2.0, 1.0, 2.0], "open": [True, True, False]},
             {"model": [3.0], "sim": [2.0], "forced": [2.0], "open": [True]}]
@@ -128,7 +128,7 @@ def test_the_open_and_hard_turn_thresholds_are_the_statistics_ones():
     and the same turns hard."""
     import inspect
 
-    from owl_wms.data import HARD_TURN
+    from owl_wms.maze.data import HARD_TURN
 
     params = inspect.signature(turn_wall_statistics).parameters
     assert params["near"].default == OPEN_WALL and params["big"].default == HARD_TURN

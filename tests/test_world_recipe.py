@@ -109,7 +109,7 @@ def test_the_recipe_makes_checkpoints_from_nothing(tmp_path):
 
 def test_a_contact_sheet_of_any_length(tmp_path):
     """20 frames at 16 to a row: the last row holds 4 and ends in white (it used to crash)."""
-    from inference.game_cv import save_sheet
+    from inference.headless import save_sheet
 
     shown = [(np.full((8, 8, 3), i, np.uint8),) for i in range(20)]
     save_sheet(tmp_path / "s.png", shown, every=1)

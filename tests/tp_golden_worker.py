@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import save_file
 
 from inference.causvid_pipeline import CausvidPipeline
+from inference.flags import resolve_settings
 from owl_wms.parallel import ParallelContext
-from owl_wms.settings import Settings
 from tests.conftest import fp32_settings, golden_decode, load_golden, tiny_world
 
 
 def main(golden_path: str, out: str, ring_mode: str = "") -> None:
     tp = ParallelContext.launch(2, "cpu", timeout_s=60, check_every=1)
     golden = load_golden(Path(golden_path))
-    kv = Settings.resolve({}, {"OWL_RING_MODE": ring_mode} if ring_mode else {}).kv
+    kv = resolve_settings({}, {"OWL_RING_MODE": ring_mode} if ring_mode else {}).kv
     pipe = CausvidPipeline(golden["model"], None, tiny_world(golden["cfg"], golden["window"]), fp32_settings(kv=kv),
                            verbose=False, tp=tp)
     if tp.is_leader:
@@ -27,7 +27,7 @@ def main(golden_path: str, out: str, ring_mode: str = "") -> None:
         pipe.close()
         save_file({"x0": torch.cat(x0, dim=1).contiguous()}, out)
     else:
-        pipe.follow()
+        pipe.tp.follow()
     tp.shutdown()
 
 

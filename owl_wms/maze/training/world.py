@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..cache import StaticCache
+from ...cache import StaticCache
 from ..data import HARD_TURN, OPEN_WALL
-from ..model import GameRFT
+from ...model import GameRFT
+from ...sampler import euler
 from . import warmup_cosine
 
 
@@ -146,10 +147,9 @@ def teacher_first_step(teacher, x_t, t, mouse, buttons, schedule: tuple[float, .
     z = x_t[:, -1:]
     x, m, bt = z, mouse[:, -1:], buttons[:, -1:]
     levels = torch.linspace(schedule[0], schedule[1], steps + 1).tolist()
-    for level, nxt in zip(levels[:-1], levels[1:]):
-        v = teacher(x, torch.full((b, 1), level, device=x.device, dtype=t.dtype), m, bt, kv_cache=cache,
-                    decode_from=0)  # stepped as the pipeline decodes a frame
-        x = x - (level - nxt) * v.to(x)
+    x = euler(lambda x, level, _: teacher(x, torch.full((b, 1), level, device=x.device, dtype=t.dtype), m, bt,
+                                          kv_cache=cache, decode_from=0).to(x),  # as the pipeline decodes a frame
+              x, levels)
     return ((z - x) / (schedule[0] - schedule[1]))[:, 0]
 
 
@@ -166,11 +166,9 @@ def own_history(core, x_t, z, t, chosen, mouse, buttons, schedule: tuple[float, 
     """
     pick = chosen[:, :, None, None, None]
     x_t = torch.where(pick, z, x_t)
-    for level, nxt in zip(schedule[:-2], schedule[1:-1]):
-        tl = t.to(x_t).masked_fill(chosen, level)
-        v = core(x_t, tl, mouse, buttons)
-        x_t = torch.where(pick, x_t - (level - nxt) * v.to(x_t), x_t)
-    return x_t
+    # Frames not chosen stay as they are (a zero step).
+    return euler(lambda x, level, _: torch.where(pick, core(x, t.to(x).masked_fill(chosen, level), mouse,
+                                                             buttons).to(x), 0), x_t, schedule[:-1])
 
 
 def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile: bool = False):

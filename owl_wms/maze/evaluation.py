@@ -26,6 +26,7 @@ from torchmetrics.functional.image import peak_signal_noise_ratio, structural_si
 
 from .data import OPEN_WALL, level_clip, wall_ahead
 from .simulator import MazeSim, SimConfig
+from .worlds import pipeline_sim_config
 
 
 def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
@@ -47,7 +48,7 @@ class Episode:
     """A held-out simulator episode: real frames and actions, history encoded once."""
 
     def __init__(self, pipe, seed: int, frames: int, style: str = "explore"):
-        self.seed, self.window, self.sim_config = seed, pipe.window, pipe.sim_config
+        self.seed, self.window, self.sim_config = seed, pipe.window, pipeline_sim_config(pipe)
         self.clip, self.frames = level_clip(pipe.decoder, seed, pipe.window, frames, self.sim_config,
                                             name=f"eval-{seed}", style=style)
 

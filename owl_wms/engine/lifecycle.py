@@ -87,6 +87,12 @@ class Lifecycle:
         self.model_calls = 0  # model calls executed (counted by the pipeline)
         self.event = "none"  # the last executed event
 
+    def set_bias(self, value: float) -> None:
+        """Soft forgetting: from the next step, cached history keys get this attention-logit bias."""
+        if not -100 <= float(value) <= 100:
+            raise ValueError(f"kv_cache_attention_bias={value!r} must be a number in [-100, 100] (0: off)")
+        self.bias = float(value)
+
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, event: str, calls: int, **fields) -> StepPlan:
         if self.phase not in ALLOWED[event]:

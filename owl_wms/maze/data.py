@@ -20,7 +20,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from .clips import Clip
+from ..clips import Clip
+from ..controls import N_BUTTONS
 from .simulator import D_, E_, F_, LMB, R_, RMB, SHIFT, SPACE, A_, S_, W_, MazeSim, SimConfig
 
 
@@ -121,7 +122,7 @@ class ExplorerPolicy:
         self.persist, self.innovation, self.mouse_std = self.style.persist, self.style.innovation, self.style.mouse_std
         self.rng = np.random.default_rng(seed)
         self.still = False  # the mouse let go
-        self.held = np.zeros(11, dtype=bool)
+        self.held = np.zeros(N_BUTTONS, dtype=bool)
         self.mouse = np.zeros(2)
         self.turn = 0.0  # committed turn (mouse x) while avoiding a wall
         self.sweep = 0.0  # held turn (mouse x) in the open
@@ -129,7 +130,7 @@ class ExplorerPolicy:
 
     def act(self, sim: MazeSim) -> tuple[list[float], list[int]]:
         rng = self.rng
-        for k in range(11):
+        for k in range(N_BUTTONS):
             p = self.HOLD[k] if self.held[k] else self.START[k]
             self.held[k] = rng.random() < p
         if self.held[S_]:
@@ -174,7 +175,7 @@ def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None
     n = frames + len(then)
     out = np.empty((n, sim.cfg.height, sim.cfg.width, 3), dtype=np.uint8)
     mouse = np.empty((n, 2), dtype=np.float32)
-    buttons = np.empty((n, 11), dtype=np.float32)
+    buttons = np.empty((n, N_BUTTONS), dtype=np.float32)
     for i in range(n):
         m, b = policy.act(sim) if i < frames else then[i - frames]
         if watch is not None:
@@ -186,7 +187,7 @@ def rollout_episode(level_seed: int, frames: int, policy_seed: int | None = None
 
 def level_clip(coder, seed: int, window: int, future: int, config: SimConfig, name: str | None = None,
                style: str = "explore"):
-    """A clip that starts on a level of the simulator ``config`` (a world's ``sim_config``):
+    """A clip that starts on a level of the simulator ``config`` (owl_wms/maze/worlds.py ``sim_config``):
     ``window`` history frames encoded with ``coder`` (a FrameDecoder) plus ``future`` recorded
     policy actions. Returns (clip, the level's uint8 frames [window + future, H, W, 3])."""
     frames, mouse, buttons = rollout_episode(seed, window + future, config=config, style=style)

@@ -1,5 +1,5 @@
-"""Per-frame profile lines (OWL_PROFILE_KV). Lives outside the forward pass; when the
-setting is off the pipeline never constructs one, so nothing is timed or synchronised.
+"""Per-frame profile lines (the profile_kv setting). Lives outside the forward pass; when the
+setting is off the pipeline holds a ``NoProfiler``, so nothing is timed or synchronised.
 
 Sections inside a frame (quantize, dequantize, attention) are timed by wrapping those
 methods on the live objects (``instrument``) - the model and cache code know nothing of it.
@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from ..cache import QuantizedStaticCache
+
 
 def peak_memory_mb(device: str) -> float:
     if device.startswith("cuda"):
@@ -18,7 +20,52 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+class NoProfiler:
+    """What the pipeline holds when profiling is off: every hook does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 class KVProfiler:
+    @classmethod
+    def attach(cls, pipe, tp=None) -> "KVProfiler":
+        """A profiler for ``pipe``: attention timed inside each block (eager models only:
+        compiled blocks cannot be timed from outside) and, under tensor parallelism, the
+        all-reduces and the step exchange and checks."""
+        s = pipe.settings
+        self = cls(s.device, s.profile_kv_first, s.profile_kv_every)
+        if not s.compile:
+            for block in pipe.core.transformer.blocks:
+                self.instrument(block.attn, "attend_out", "attn")
+        if tp is not None:
+            for method in ("all_reduce", "exchange", "check_scalars"):
+                self.instrument(tp, method, "comm")
+        return self
+
+    def watch_cache(self, cache):
+        """Time a quantized cache's encode, decode and fused ring step (compiled: both in one call)."""
+        if isinstance(cache, QuantizedStaticCache):
+            for method, section in (("_encode", "quant"), ("_decode", "dequant"), ("_fused_ring_step", "ring_step")):
+                self.instrument(cache, method, section)
+
+    def cut_started(self, event: str):
+        if event == "cut":
+            self.start()
+
+    def history_done(self, event: str, kv_bytes: int):
+        if event == "cut":
+            self.prefill(kv_bytes)
+        elif event == "recompute":
+            self.mark("recompute")
+
+    def frame_done(self, pipe):
+        """The frame's line, after decoding."""
+        self.mark("decoder")
+        cache = pipe.cache
+        self.frame(pipe.kv_bytes, cache.scale_nbytes() if cache is not None else 0, epoch=pipe.cache_epoch,
+                   event=pipe.lifecycle.event)
+
     def __init__(self, device: str, first: int, every: int, printer=print):
         self.device, self.first, self.every, self.print = device, first, every, printer
         self.frames = 0

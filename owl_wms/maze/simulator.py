@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-W_, A_, S_, D_, SHIFT, SPACE, R_, F_, E_, LMB, RMB = range(11)
+from ..controls import N_BUTTONS
+
+W_, A_, S_, D_, SHIFT, SPACE, R_, F_, E_, LMB, RMB = range(N_BUTTONS)  # owl_wms/controls.py's order
 
 EMPTY, WALL, DOOR, SWITCH = 0, 1, 2, 3
 # Wall palettes (per wall kind 1..4); a switch cycles the palette index.
@@ -65,7 +67,7 @@ class SimState:
     fire: int = 0  # frames left of muzzle flash
     recoil: float = 0.0
     bob: float = 0.0
-    prev_buttons: tuple = (0,) * 11
+    prev_buttons: tuple = (0,) * N_BUTTONS
     frame: int = 0
 
 
@@ -172,9 +174,9 @@ class MazeSim:
     def step(self, mouse, buttons) -> np.ndarray:
         s, c = self.state, self.cfg
         b = tuple(int(v != 0) for v in buttons)
-        if len(b) != 11 or len(mouse) != 2:
+        if len(b) != N_BUTTONS or len(mouse) != 2:
             raise ValueError(f"controls must be mouse[2] and buttons[11], got {len(mouse)} and {len(b)}")
-        pressed = [b[k] and not s.prev_buttons[k] for k in range(11)]
+        pressed = [b[k] and not s.prev_buttons[k] for k in range(N_BUTTONS)]
         s.yaw = float((s.yaw + float(mouse[0]) * c.turn_per_px + np.pi) % (2 * np.pi) - np.pi)
         s.tilt = float(np.clip(s.tilt - float(mouse[1]) * c.tilt_per_px, -0.35, 0.35))
         speed = c.walk_speed * (c.sprint_mult if b[SHIFT] else 1.0)

@@ -1,0 +1,46 @@
+"""OWL_* environment flags: read once, here at the apps' edge, into typed ``Settings``.
+
+Precedence: defaults < the config's ``inference:`` section < OWL_* flags. Each setting's flag is
+OWL_ + its field name in capitals (owl_wms/settings.py lists them with their help), except
+tp_timeout_s, whose flag is OWL_TP_TIMEOUT. Errors name the flag or config key the user wrote.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Mapping
+
+from owl_wms.settings import BY_FIELD, CODEC_FIELDS, OPTIONS, Settings
+
+FLAGS = {o.field: "OWL_TP_TIMEOUT" if o.field == "tp_timeout_s" else f"OWL_{o.field.upper()}" for o in OPTIONS}
+KNOWN = {flag: field for field, flag in FLAGS.items()}
+
+
+def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """The run's settings from a config's ``inference:`` section and the environment's OWL_* flags
+    (``environ``: os.environ unless given)."""
+    environ = os.environ if environ is None else environ
+    inference = dict(inference or {})
+    # The codec flags act together: once any is set, the config's codec choice steps aside
+    # (OWL_FP8_KV=1 means fp8 even where the config says kv_storage: int8).
+    if any(FLAGS[f] in environ for f in CODEC_FIELDS):
+        inference = {k: v for k, v in inference.items() if k not in CODEC_FIELDS}
+    for key in sorted(set(inference) - set(BY_FIELD)):
+        warnings.warn(f"config inference.{key} is not a known setting; known: {sorted(BY_FIELD)}", stacklevel=2)
+    for name in sorted(k for k in environ if k.startswith("OWL_") and k not in KNOWN):
+        warnings.warn(f"{name} is not a known OWL_* flag and is ignored; known flags: {', '.join(KNOWN)}",
+                      stacklevel=2)
+    raw = {f: v for f, v in inference.items() if f in BY_FIELD}
+    raw.update({f: environ[flag] for f, flag in FLAGS.items() if flag in environ})
+    from_config = {f for f in raw if FLAGS[f] not in environ}
+    return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
+
+
+def flag_message(exc: BaseException) -> str:
+    """An engine or cache error about settings, with its parameters (``exc.params``) respelled as
+    OWL_* flags."""
+    text = str(exc)
+    for field in getattr(exc, "params", ()):
+        if FLAGS.get(field) and FLAGS[field] not in text and f"inference.{field}" not in text:
+            text = text.replace(field, FLAGS[field])
+    return text

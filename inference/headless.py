@@ -1,0 +1,142 @@
+"""The headless renderer: a scripted rollout to an mp4 (and optionally the raw frames and a
+contact sheet), with the simulator's view beside the model's where asked."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from owl_wms.engine import CausvidPipeline
+from owl_wms.maze.evaluation import replay_clip, rollout_sheet
+from owl_wms.parallel import ParallelContext
+
+from .actions import apply_event, is_event, load_actions
+from .video import Mp4Writer, StopOnSigint, check_output_path
+
+
+def save_frames(path: Path, frames: list):
+    """Raw frames as one .npy, written atomically."""
+    import numpy as np
+
+    tmp = path.with_name(f".{path.name}.partial.npy")
+    np.save(tmp, np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8))
+    tmp.replace(path)
+
+
+def save_sheet(path: Path, shown: list, every: int, per_row: int = 16):
+    """A contact sheet of the video's frames (each a tuple of views: (simulator, model) or
+    (model,)), ``per_row`` picked frames to a row, written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    views = [np.stack(v) for v in zip(*shown)]
+    span = per_row * every
+    tmp = path.with_name(f".{path.name}.partial.png")
+    plt.imsave(tmp, rollout_sheet([tuple(v[i:i + span] for v in views) for i in range(0, len(shown), span)], every))
+    tmp.replace(path)
+
+
+class SimulatorBeside:
+    """The simulator's view of the level the model's history came from, stepped with the controls
+    each generated frame used (``pipe.last_controls``: the clip's recorded ones in ground-truth mode), so the video shows
+    the truth beside the dream: ``frame(controls, model_frame)`` -> [simulator | gap | model]."""
+
+    GAP = 2  # black columns between the two views
+
+    def __init__(self, pipe: CausvidPipeline):
+        self.pipe, self.bookmark = pipe, None
+        self.start()
+
+    def start(self):
+        """Back to the end of the current clip's history (a new clip, a restart)."""
+
+        self.sim = replay_clip(self.pipe.clip, *self.pipe.frame_shape)
+
+    def handle(self, event: dict):
+        """Follow a pipeline event that moves the history (called after the pipeline's)."""
+        import copy
+
+        name = event["event"]
+        if name in ("restart", "clip", "world_seed"):
+            self.start()
+        elif name == "snapshot":
+            self.bookmark = copy.deepcopy(self.sim)
+        elif name == "restore":
+            self.sim = copy.deepcopy(self.bookmark)
+
+    def step(self, controls):
+        """The simulator's next frame under the controls the model's frame used."""
+        mouse, buttons = controls
+        return self.sim.step(mouse.tolist(), buttons.tolist())
+
+    def frame(self, real, model_frame):
+        import numpy as np
+
+        gap = np.zeros((real.shape[0], self.GAP, 3), np.uint8)
+        return np.concatenate([real, gap, model_frame], axis=1)
+
+
+def run_headless(args, build, tp: ParallelContext | None = None) -> int:
+    """Render ``args.actions`` to ``args.out`` with the pipeline ``build(args, tp)`` makes; returns
+    the exit code (130 when interrupted). The video of the frames so far is always finalised."""
+    from tqdm import tqdm
+
+    if tp is not None and not tp.is_leader:  # a follower: rank 0 owns input, decoding and output
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
+        build(args, tp).tp.follow()
+        return 0
+    items = load_actions(args.actions, args.frames, seed=args.seed or 0)
+    frames_path = check_output_path(args.save_frames, suffix=".npy", flag="--save-frames") if args.save_frames else None
+    sheet_path = check_output_path(args.sheet, suffix=".png", flag="--sheet") if args.sheet else None
+    writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
+    interrupted, error = False, None
+    pipe_seconds = 0.0
+    shown = []  # the views of each frame, (simulator, model) or (model,): --save-frames and --sheet
+    try:
+        with StopOnSigint() as stop:
+            pipe = build(args, tp)
+            beside = SimulatorBeside(pipe) if args.beside_simulator else None
+            start = time.perf_counter()
+            bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
+            for item in items:
+                if stop.requested:
+                    interrupted = True
+                    break
+                if is_event(item):
+                    apply_event(pipe, item)
+                    if beside is not None:
+                        beside.handle(item)
+                    continue
+                frame, secs = pipe(*item)
+                pipe_seconds += secs
+                views = (frame.numpy(),) if beside is None else (beside.step(pipe.last_controls), frame.numpy())
+                writer.write(views[0] if beside is None else beside.frame(*views))
+                if frames_path is not None or sheet_path is not None:
+                    shown.append(views)
+                bar.update(1)
+            bar.close()
+            pipe.close()  # TP: the other ranks stop after a last vote and lifecycle check
+    except KeyboardInterrupt:
+        interrupted = True
+    except Exception as exc:  # the video of the frames so far is still finalised and reported
+        error = exc
+    finally:
+        path = writer.close()
+        if frames_path is not None and shown:
+            save_frames(frames_path, [views[-1] for views in shown])
+        if sheet_path is not None and shown:
+            save_sheet(sheet_path, shown, args.sheet_every)
+    n = writer.frames
+    if n:
+        total = time.perf_counter() - start
+        stopped = " - interrupted" if interrupted else " - stopped by an error" if error else ""
+        print(f"wrote {path} ({n} frames){stopped}; pipeline {n / pipe_seconds:.2f} FPS, total {n / total:.2f} FPS")
+    elif interrupted or error:
+        print("stopped before the first frame; no video written")
+    if error is not None:
+        raise error
+    return 130 if interrupted else 0

@@ -1,0 +1,47 @@
+"""Where a pipeline's history and controls come from: the clip it started from (an index into
+its world's clips, a path, or a ``Clip``) and ground-truth replay of the clip's recorded actions
+in place of the player's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..clips import Clip, list_clips, load_clip
+from ..config import WorldConfig
+from ..controls import as_controls
+
+
+class ClipReplay:
+    def __init__(self, world: WorldConfig, on: bool = False):
+        self.world, self.on = world, on  # on: replay the recorded actions (ground truth)
+        self.clip: Clip | None = None
+        self.step = 0  # recorded actions used since the last restart
+
+    @property
+    def paths(self) -> list[Path]:
+        """The world's clips (its config's ``pipeline.clips`` folder)."""
+        folder = self.world.resolve(self.world.pipeline.clips)
+        return list_clips(folder) if folder is not None and folder.is_dir() else []
+
+    def load(self, clip) -> Clip:
+        """``clip``: an index into ``paths`` (wrapping), a path, or a ``Clip``."""
+        if isinstance(clip, int):
+            if not self.paths:
+                raise FileNotFoundError(f"world {self.world.name!r} has no clips (pipeline.clips="
+                                        f"{self.world.pipeline.clips!r})")
+            clip = self.paths[clip % len(self.paths)]
+        cfg = self.world.model
+        self.clip = clip if isinstance(clip, Clip) else load_clip(clip, cfg.channels, cfg.sample_size)
+        return self.clip
+
+    def controls(self, mouse, buttons) -> tuple[torch.Tensor, torch.Tensor]:
+        """The controls the next frame uses: the player's, or the clip's next recorded ones."""
+        if not self.on:
+            return as_controls(mouse, buttons)
+        recorded = 0 if self.clip is None else self.clip.future_mouse.shape[0]
+        if self.step >= recorded:
+            raise ValueError(f"ground-truth replay exhausted: the clip records {recorded} future actions; "
+                             f"ask for at most {recorded} frames or restart the clip")
+        self.step += 1
+        return self.clip.future_mouse[self.step - 1], self.clip.future_buttons[self.step - 1]

@@ -1,0 +1,102 @@
+"""Pipeline snapshots: the cache, offsets, lifecycle, recompute anchor, noise generator and
+replay position, as tensors + metadata, in memory or in a safetensors file. A snapshot loads
+only into a pipeline of the same world, model, window, schedule and settings, and then
+continues with identical frames."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+STATE_FORMAT = "owl-pipeline-state/1"
+# Settings a snapshot may differ in: the generator state and the bias travel in the snapshot.
+VOLATILE = {"seed", "profile_kv", "profile_kv_first", "profile_kv_every", "tp_check_every", "tp_timeout_s",
+            "kv_cache_attention_bias"}
+
+
+def identity(pipe) -> str:
+    """What a snapshot must match: world, model config, window, schedule and settings."""
+    s = {k: str(v) for k, v in vars(pipe.settings).items() if k not in VOLATILE}
+    text = json.dumps([pipe.world.name, pipe.cfg.to_dict(), pipe.window, list(pipe.schedule), pipe.alpha, s],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def get_state(pipe) -> dict:
+    """A snapshot of ``pipe`` (copies): {"tensors": {...}, "meta": {...}}."""
+    if pipe.tp is not None:
+        raise RuntimeError("snapshots of a tensor-parallel pipeline are not supported (each rank holds "
+                           "only its heads); snapshot a single-process run")
+    tensors = {"rng": pipe.generator.get_state()}
+    meta = {"format": STATE_FORMAT, "identity": identity(pipe), "world": pipe.world.name,
+            "lifecycle": pipe.lifecycle.state(), "gt_step": pipe.gt_step, "ground_truth": pipe.ground_truth,
+            "clip": pipe.clip.name if pipe.clip is not None else None, "anchor": len(pipe._anchor)}
+    for i, (lat, m, b) in enumerate(pipe._anchor):
+        tensors.update({f"anchor.{i}.latent": lat, f"anchor.{i}.mouse": m, f"anchor.{i}.buttons": b})
+    if pipe.cache is not None:
+        cache_tensors, meta["cache"] = pipe.cache.state_dict()
+        tensors.update({f"cache.{k}": v for k, v in cache_tensors.items()})
+    if pipe.nocache is not None and pipe.nocache.x is not None:
+        nocache_tensors, meta["nocache"] = pipe.nocache.state()
+        tensors.update({f"nocache.{k}": v for k, v in nocache_tensors.items()})
+    return {"tensors": {k: v.detach().clone() for k, v in tensors.items()}, "meta": meta}
+
+
+@torch.no_grad()
+def load_state(pipe, state: dict | str | Path):
+    """Restore a snapshot from ``get_state`` or a file written by ``save_state``."""
+    if not isinstance(state, dict):
+        state = read_state(state)
+    tensors, meta = state["tensors"], state["meta"]
+    if meta.get("format") != STATE_FORMAT:
+        raise ValueError(f"snapshot format {meta.get('format')!r} is not {STATE_FORMAT!r}")
+    if meta["identity"] != identity(pipe):
+        raise ValueError(f"snapshot was taken from world {meta['world']!r} with other model or settings "
+                         f"(identity {meta['identity']}, this pipeline {identity(pipe)}); load it into a "
+                         "pipeline built from the same checkpoint and settings")
+    if "cache" in meta:
+        pipe._reset_cache(0)
+        pipe.cache.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("cache.")}, meta["cache"])
+    if "nocache" in meta:
+        pipe.nocache.load_state({k[8:]: v for k, v in tensors.items() if k.startswith("nocache.")}, meta["nocache"],
+                                pipe.device, pipe.settings.dtype)
+    pipe._anchor.clear()
+    pipe._anchor.extend((tensors[f"anchor.{i}.latent"].clone(), tensors[f"anchor.{i}.mouse"].clone(),
+                         tensors[f"anchor.{i}.buttons"].clone()) for i in range(meta["anchor"]))
+    pipe.lifecycle.load_state(meta["lifecycle"])
+    pipe.generator.set_state(tensors["rng"].clone())
+    pipe.gt_step, pipe.ground_truth = meta["gt_step"], meta["ground_truth"]
+
+
+def save_state(pipe, path: str | Path) -> Path:
+    """Write ``get_state(pipe)`` to a safetensors file (atomically: a crash leaves no partial file)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save the snapshot to {str(path)!r}: folder {str(path.parent)!r} "
+                                "does not exist")
+    state = get_state(pipe)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in state["tensors"].items()}, str(tmp),
+                  metadata={"owl_state": json.dumps(state["meta"])})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_state(path: str | Path) -> dict:
+    """A snapshot file written by ``save_state``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"snapshot {str(path)!r} does not exist")
+    with safe_open(str(path), "pt") as f:
+        meta = (f.metadata() or {}).get("owl_state")
+    if meta is None:
+        raise ValueError(f"{str(path)!r} is a safetensors file but not a pipeline snapshot (no owl_state metadata)")
+    return {"tensors": load_file(str(path)), "meta": json.loads(meta)}
