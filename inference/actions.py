@@ -118,9 +118,9 @@ def apply_event(pipe, event: dict):
             raise ValueError("restore event before any snapshot event")
         pipe.load_state(pipe.bookmark)
     elif name == "ground_truth":
-        pipe.ground_truth = bool(event["on"])
-        if pipe.ground_truth:
-            pipe.gt_step = 0  # replay the clip's recorded actions from their start
+        pipe.replay.on = bool(event["on"])
+        if pipe.replay.on:
+            pipe.replay.step = 0  # replay the clip's recorded actions from their start
 
 
 def load_actions(spec: str, frames: int | None, seed: int = 0) -> list:

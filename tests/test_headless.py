@@ -119,12 +119,12 @@ def test_pipeline_frames_deterministic_and_controls_validated():
 def test_ground_truth_replays_clip_actions_and_restart_repeats():
     pipe = CausvidPipeline.from_checkpoint(ground_truth=True, verbose=False)
     a = [pipe(None, None)[0] for _ in range(3)]
-    assert pipe.gt_step == 3
+    assert pipe.replay.step == 3
     pipe.restart_from_buffer()
     b = [pipe(None, None)[0] for _ in range(3)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     pipe.load_clip(1)
-    assert pipe.clip.name == "clip_01" and pipe.gt_step == 0
+    assert pipe.clip.name == "clip_01" and pipe.replay.step == 0
 
 
 def test_ground_truth_exhaustion_is_a_clear_error_and_keeps_the_video(tmp_path):

@@ -34,7 +34,7 @@ def get_state(pipe) -> dict:
                            "only its heads); snapshot a single-process run")
     tensors = {"rng": pipe.generator.get_state()}
     meta = {"format": STATE_FORMAT, "identity": identity(pipe), "world": pipe.world.name,
-            "lifecycle": pipe.lifecycle.state(), "gt_step": pipe.gt_step, "ground_truth": pipe.ground_truth,
+            "lifecycle": pipe.lifecycle.state(), "gt_step": pipe.replay.step, "ground_truth": pipe.replay.on,
             "clip": pipe.clip.name if pipe.clip is not None else None, "anchor": len(pipe._anchor)}
     for i, (lat, m, b) in enumerate(pipe._anchor):
         tensors.update({f"anchor.{i}.latent": lat, f"anchor.{i}.mouse": m, f"anchor.{i}.buttons": b})
@@ -70,7 +70,7 @@ def load_state(pipe, state: dict | str | Path):
                          tensors[f"anchor.{i}.buttons"].clone()) for i in range(meta["anchor"]))
     pipe.lifecycle.load_state(meta["lifecycle"])
     pipe.generator.set_state(tensors["rng"].clone())
-    pipe.gt_step, pipe.ground_truth = meta["gt_step"], meta["ground_truth"]
+    pipe.replay.step, pipe.replay.on = meta["gt_step"], meta["ground_truth"]
 
 
 def save_state(pipe, path: str | Path) -> Path:
