@@ -10,7 +10,7 @@ import os
 import warnings
 from typing import Mapping
 
-from owl_wms.settings import BY_FIELD, CODEC_FIELDS, OPTIONS, Settings
+from owl_wms.settings import BY_FIELD, CODEC_FIELDS, OPTIONS, Settings, without_kv
 
 FLAGS = {o.field: "OWL_TP_TIMEOUT" if o.field == "tp_timeout_s" else f"OWL_{o.field.upper()}" for o in OPTIONS}
 KNOWN = {flag: field for field, flag in FLAGS.items()}
@@ -25,6 +25,9 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     # (OWL_FP8_KV=1 means fp8 even where the config says kv_storage: int8).
     if any(FLAGS[f] in environ for f in CODEC_FIELDS):
         inference = {k: v for k, v in inference.items() if k not in CODEC_FIELDS}
+    # OWL_KV_CACHE=none (the cache-free baseline) sets aside the config's whole cache plan.
+    if str(environ.get(FLAGS["kv_cache"], "")).strip().lower() == "none":
+        inference = without_kv(inference)
     for key in sorted(set(inference) - set(BY_FIELD)):
         warnings.warn(f"config inference.{key} is not a known setting; known: {sorted(BY_FIELD)}", stacklevel=2)
     for name in sorted(k for k in environ if k.startswith("OWL_") and k not in KNOWN):

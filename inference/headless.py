@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 from owl_wms.engine import CausvidPipeline
-from owl_wms.maze.evaluation import replay_clip, rollout_sheet
 from owl_wms.parallel import ParallelContext
 
 from .actions import apply_event, is_event, load_actions
@@ -31,6 +30,8 @@ def save_sheet(path: Path, shown: list, every: int, per_row: int = 16):
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from owl_wms.maze.evaluation import rollout_sheet
+
     views = [np.stack(v) for v in zip(*shown)]
     span = per_row * every
     tmp = path.with_name(f".{path.name}.partial.png")
@@ -51,6 +52,7 @@ class SimulatorBeside:
 
     def start(self):
         """Back to the end of the current clip's history (a new clip, a restart)."""
+        from owl_wms.maze.evaluation import replay_clip  # the simulator loads only when asked for
 
         self.sim = replay_clip(self.pipe.clip, *self.pipe.frame_shape)
 

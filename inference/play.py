@@ -299,7 +299,7 @@ class Game:
             bias = self.pipe.kv_cache_attention_bias + (0.5 if name == "bias_up" else -0.5)
             w.commands.put({"event": "bias", "value": max(-100.0, min(100.0, bias))})
         elif name == "next_clip":
-            n = max(1, len(self.pipe.clip_paths))
+            n = max(1, len(self.pipe.replay.paths))
             self.clip_index = (self.clip_index + 1) % n
             w.commands.put({"event": "clip", "clip": self.clip_index})
         elif name == "new_level":

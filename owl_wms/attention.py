@@ -1,6 +1,6 @@
 """Frame-causal windowed attention with two backends built from one visibility rule.
 
-Rule (ARCHITECTURE Part 1): a query in frame fq sees a key in frame fk iff
+Rule (docs/architecture.md, Frame visibility): a query in frame fq sees a key in frame fk iff
 fk <= fq and fq - fk < window (window None = unlimited). Attention is full inside a frame.
 
 A ``window`` is one value for every query frame, or a tuple with one value per query frame
@@ -115,7 +115,7 @@ def block_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window, devic
 
 @torch.compiler.disable
 def _flex_eager(q, k, v, bm, scale, score_mod=None):
-    # Inductor's CPU lowering of FlexAttention fails for our shapes (ARCHITECTURE Part 5), so
+    # Inductor's CPU lowering of FlexAttention fails for our shapes (torch 2.13 CPU), so
     # on CPU it stays eager even when the rest of the model is compiled.
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
 

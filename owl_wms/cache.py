@@ -1,7 +1,7 @@
 """KV caches. ``StaticCache``: one preallocated slab per layer, rolled on update (the
 original's layout, kept for parity and as the reference for every other layout).
 
-Contract used by attention (ARCHITECTURE Part 3): ``should_update``,
+Contract used by attention (docs/architecture.md, The KV cache): ``should_update``,
 ``enable_cache_updates()``, ``disable_cache_updates()``, ``update(k, v, layer)``,
 ``get(layer, new_k=None, new_v=None)``, ``get_offset(layer)``, ``reset(batch_size)``,
 ``truncate(frames)``, ``shape``, ``to(...)``. K is stored after RoPE.

@@ -40,7 +40,7 @@ ROPE_KINDS = ("motion", "ortho")
 # How the mouse enters the conditioning: "sincos" is the original's (original checkpoints need it);
 # "smooth" is an option for worlds trained here (owl_wms.model.SmoothMouseEmbedding)
 MOUSE_EMBEDDINGS = ("sincos", "smooth")
-# The original's production model (shared/ARCHITECTURE.md Part 1), for benchmarks at full size;
+# The original's production model (docs/architecture.md, The model), for benchmarks at full size;
 # n_frames is its RoPE table length, which only ortho RoPE reads.
 PRODUCTION = dict(sample_size=8, channels=128, n_layers=16, n_heads=24, d_model=1536, tokens_per_frame=64,
                   n_frames=60, n_buttons=N_BUTTONS, causal=True, rope_impl="motion", local_window=16, global_window=None)
@@ -62,7 +62,7 @@ def refuse_other_kind(model_id, source: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The ``model:`` section of an original GameRFT config (ARCHITECTURE Part 1).
+    """The ``model:`` section of an original GameRFT config (docs/architecture.md, The model).
 
     Where the original reads a key with a default (``getattr(config, key, default)``), ours is
     the same: ``rope_impl`` -> ortho, ``local_idx`` -> 4, and the motion RoPE keys. Its config

@@ -1,4 +1,4 @@
-"""Cache layouts over frame slots (ARCHITECTURE Part 3).
+"""Cache layouts over frame slots (docs/architecture.md, The KV cache).
 
 A ``FrameStore`` holds named buffers ``[b, h, C, ...]`` whose dim 2 is a frame slot (K/V data
 ``[.., tpf, dh]`` and their scales alike), each with an int64 tag per slot: the absolute frame

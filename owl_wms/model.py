@@ -1,4 +1,4 @@
-"""GameRFT: the original world-model DiT, with the original state-dict names (ARCHITECTURE Part 1)."""
+"""GameRFT: the original world-model DiT, with the original state-dict names (docs/architecture.md, The model)."""
 from __future__ import annotations
 
 import math

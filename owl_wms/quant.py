@@ -1,4 +1,4 @@
-"""KV quantization: a storage codec x a scale policy (ARCHITECTURE Part 3).
+"""KV quantization: a storage codec x a scale policy (docs/architecture.md, The KV cache).
 
 Every cached tensor is viewed per frame as ``[b, h, frames, tpf, dh]``. A scale policy
 reduces a frame to its scales:

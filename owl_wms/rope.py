@@ -1,4 +1,4 @@
-"""Rotary position embeddings of GameRFT (ARCHITECTURE Part 1), computed for the positions in use.
+"""Rotary position embeddings of GameRFT (docs/architecture.md, The model), computed for the positions in use.
 
 ``motion``: frequencies over (time, column + time, row + time); ``ortho``: axial frequencies
 over (time, row, column) on normalised coordinates, the original's default. No table: angles

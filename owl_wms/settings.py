@@ -117,7 +117,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("attn_sdpa_decode", _bool, False, "use SDPA for per-frame decode"),
     Option("kv_cache", _choice("static", "none"), "static",
          "static: bf16 roll cache; none: recompute without a cache (correctness baseline)"),
-    # Quantized cache family (ARCHITECTURE Part 3); None defaults mean "not set".
+    # Quantized cache family (docs/architecture.md, The KV cache); None defaults mean "not set".
     Option("fp8_kv", _bool, None, "quantize the KV cache (storage: kv_storage, default fp8_e4m3)"),
     Option("k_fp8", _bool, None, "0 keeps keys in bf16 while values are quantized"),
     Option("kv_late_layers", _int(1), None, "quantize only the last N layers"),

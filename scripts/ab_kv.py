@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from inference.flags import flag_message, resolve_settings
 from scripts.common import PRESETS, REPO, load_presets, machine, preset_env
 
 DEFAULT_VARIANTS = ["fp8_kv", "fp8_v_only", "int8_kv", "int4_v_only", "sharing", "ring_inplace"]
@@ -82,7 +83,6 @@ def worker(spec_path: Path):
         from tqdm import tqdm
 
         from inference.causvid_pipeline import CausvidPipeline
-        from inference.flags import resolve_settings
         from owl_wms.config import load_config
         from owl_wms.controls import to_uint8
         from owl_wms.engine.profiler import peak_memory_mb
@@ -120,7 +120,7 @@ def worker(spec_path: Path):
             "recompiles": counters["stats"]["unique_graphs"] - (graphs or 0), "peak_mem_mb": peak_memory_mb(
                 pipe.settings.device), "timings": timings}, indent=1))
     except BaseException as e:  # noqa: BLE001 - every failure is reported by the parent
-        (out / "error.txt").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        (out / "error.txt").write_text(f"{type(e).__name__}: {flag_message(e)}\n\n{traceback.format_exc()}")
         raise SystemExit(1)
 
 

@@ -72,7 +72,7 @@ def test_a_chunk_reads_only_the_key_frames_it_can_see(monkeypatch):
 
 
 def reference_angles(p: int, tpf: int, side: int, dh: int = 64, delta: float = 2.0, theta: float = 10000.0):
-    """ARCHITECTURE Part 1 written out in Python floats (float64)."""
+    """docs/architecture.md's frame visibility written out in Python floats (float64)."""
     t_dim, x_dim, y_dim = dh * 2 // 8, dh * 3 // 8, dh * 3 // 8
     s = t_dim + x_dim + y_dim
     f = [1.0 / theta ** (2 * j / s) for j in range(s // 2)]

@@ -5,6 +5,7 @@ import torch
 from inference.causvid_pipeline import CausvidPipeline
 from inference.flags import resolve_settings
 from owl_wms.cache import QuantizedStaticCache, RingGuardError, StaticCache, build_cache, plan_layers
+from owl_wms.engine.profiler import NoProfiler
 from owl_wms.layouts import Layout
 from owl_wms.quant import CODECS, Quantizer, ScalePolicy, make_codec, stored_scale
 from owl_wms.settings import KVSettings, SettingsError
@@ -461,8 +462,11 @@ def test_contradictions_and_malformed_flags_fail_with_the_reason(env, match):
 
 
 def test_plan_checks_the_model():
-    with pytest.raises(SettingsError, match="OWL_KV_LATE_LAYERS=9 exceeds the model's 4 layers"):
+    from inference.flags import flag_message
+
+    with pytest.raises(SettingsError, match="kv_late_layers=9 exceeds the model's 4 layers") as err:
         plan_layers(tiny_config(), kv(OWL_KV_STORAGE="int8", OWL_KV_LATE_LAYERS=9), 5)
+    assert flag_message(err.value) == "OWL_KV_LATE_LAYERS=9 exceeds the model's 4 layers"  # as the apps say it
 
 
 def test_profile_lines_time_quantization_and_attention_only_when_on(capsys):
@@ -483,7 +487,7 @@ def test_profile_lines_time_quantization_and_attention_only_when_on(capsys):
         assert field in line
     # Off: nothing is wrapped, so the forward pass carries no timing code at all.
     quiet = CausvidPipeline(random_model(cfg), None, tiny_world(cfg), fp32_settings(kv=settings), verbose=False)
-    assert quiet.profiler is None and "attend_out" not in vars(quiet.core.transformer.blocks[0].attn)
+    assert isinstance(quiet.profiler, NoProfiler) and "attend_out" not in vars(quiet.core.transformer.blocks[0].attn)
 
 
 def test_guard_checksum_report_is_printed_once(capsys):

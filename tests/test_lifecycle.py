@@ -1,4 +1,5 @@
 """Cache lifecycle (single process): hard cut, recompute, soft forgetting, snapshots, state machine."""
+import numpy as np
 import pytest
 import torch
 
@@ -253,8 +254,6 @@ def test_snapshot_and_restore_events_branch_a_headless_rollout(tmp_path):
     """Action files can branch: frames after 'restore' repeat the frames after 'snapshot'."""
     import json
 
-    import numpy as np
-
     from inference.game_cv import main
 
     frame = {"mouse": [4.0, 0.0], "buttons": [1] + [0] * 10}
@@ -273,7 +272,10 @@ def test_hard_cut_from_a_clip_or_a_fresh_level_counts_epochs():
     settings = resolve_settings({}, {"OWL_DEVICE": "cpu"})
     pipe = CausvidPipeline.from_checkpoint(settings=settings, verbose=False)  # clip 0: epoch 1
     pipe.generate([0, 0], [1] + [0] * 10)
-    assert pipe.hard_cut(clip=1) == 2 and pipe.clip.name == pipe.clip_paths[1].stem
-    assert pipe.hard_cut(world_seed=5) == 3 and pipe.frame_index == 0
+    from owl_wms.maze.worlds import load_level
+
+    assert pipe.hard_cut(clip=1) == 2 and pipe.clip.name == pipe.replay.paths[1].stem
+    load_level(pipe, 5)
+    assert pipe.cache_epoch == 3 and pipe.frame_index == 0
     with pytest.raises(ValueError, match="exactly one of"):
-        pipe.hard_cut(clip=1, world_seed=5)
+        pipe.hard_cut(clip=1, images=np.zeros((1, 64, 64, 3), np.uint8))

@@ -1,7 +1,11 @@
-"""The README's commands are the ones CI runs."""
+"""The README's commands are the ones CI runs, its chain is the reproduce script's, its links
+resolve, and its Python example runs."""
+import os
 import re
 
 from .conftest import REPO
+
+README_MAX_LINES = 250
 
 
 def fenced_blocks():
@@ -48,3 +52,53 @@ def test_reproduce_script_runs_the_readme_chain():
     readme, script = chain_block_commands(), script_stage_commands()
     assert len(readme) == 11 and readme[0] == "python -m scripts.generate_data"
     assert script == [" ".join(c.split()) for c in readme]
+
+
+def test_readme_is_short():
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; keep it to {README_MAX_LINES} (details go to docs/)"
+
+
+def relative_links(path):
+    """(target, line number) of every Markdown link in ``path`` that is not a URL or an anchor."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            if not re.match(r"[a-z][a-z0-9+.-]*:|#", target):
+                out.append((target.split("#")[0], n))
+    return out
+
+
+def test_readme_and_docs_links_point_to_files():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    missing = [f"{page.relative_to(REPO)}:{n}: {target}" for page in pages
+               for target, n in relative_links(page) if not (page.parent / target).exists()]
+    assert relative_links(REPO / "README.md"), "the README links to docs/"
+    assert not missing, "links to missing files:\n" + "\n".join(missing)
+
+
+def python_example():
+    """The README's one ```python block: the "Use from Python" example."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
+    assert len(blocks) == 1, f"expected one python block in the README, found {len(blocks)}"
+    return blocks[0]
+
+
+def test_readme_python_example_runs(monkeypatch, capsys):
+    """The example runs as written, from the repo root, on the CPU (fp32 only to keep it quick)."""
+    code = python_example()
+    assert "from inference.causvid_pipeline import CausvidPipeline" in code
+    assert "CausvidPipeline.from_checkpoint()" in code
+    for name in [k for k in os.environ if k.startswith("OWL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OWL_DEVICE", "cpu")
+    monkeypatch.setenv("OWL_DTYPE", "fp32")
+    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(REPO))
+    scope = {"__name__": "__readme__"}
+    exec(compile(code, "README.md (Use from Python)", "exec"), scope)
+    pipe = scope["pipe"]
+    shape = tuple(scope["frame"].shape)
+    assert len(shape) == 3 and shape[2] == 3 and str(scope["frame"].dtype) == "torch.uint8"
+    assert pipe.cache_epoch == 2 and pipe.frame_index == 1  # the load at start-up, then the example's hard cut
+    assert "epoch 2 frame 1" in capsys.readouterr().out

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from inference.flags import KNOWN, resolve_settings
-from owl_wms.settings import SettingsError
+from owl_wms.settings import Settings, SettingsError
 
 
 def test_defaults_on_cpu():
@@ -47,3 +47,27 @@ def test_settings_are_immutable():
     with pytest.raises(Exception):
         s.seed = 3
     assert "seed=0" in s.describe()
+
+
+def test_the_cache_free_baseline_sets_aside_the_configs_cache_plan():
+    s = resolve_settings({"kv_storage": "int8", "ring_mode": "inplace"}, environ={"OWL_KV_CACHE": "none"})
+    assert s.kv_cache == "none" and not s.kv.quantized
+
+
+def test_the_library_names_its_parameters_and_the_apps_respell_them_as_flags():
+    from inference.flags import flag_message
+    from owl_wms.cache import plan_layers
+
+    from .conftest import tiny_config
+
+    with pytest.raises(SettingsError, match=r"kv_ema='0.5' and kv_storage \(unset\) contradict.*set fp8_kv=1"):
+        Settings.parse({"kv_ema": "0.5"})  # library errors use field names...
+    with pytest.raises(SettingsError, match=r"OWL_KV_EMA='0.5' and OWL_KV_STORAGE \(unset\) contradict.*OWL_FP8_KV=1"):
+        resolve_settings({}, environ={"OWL_KV_EMA": "0.5"})
+    kv = resolve_settings({}, environ={"OWL_KV_STORAGE": "int8", "OWL_KV_LATE_LAYERS": "99"}).kv
+    with pytest.raises(SettingsError) as err:
+        plan_layers(tiny_config(), kv, 4)
+    assert str(err.value).startswith("kv_late_layers=99 exceeds")
+    assert flag_message(err.value).startswith("OWL_KV_LATE_LAYERS=99 exceeds")  # ...the apps' flags
+    with pytest.raises(SettingsError, match="OWL_DEVICE='tpu' is malformed"):
+        resolve_settings({}, environ={"OWL_DEVICE": "tpu"})

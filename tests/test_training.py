@@ -217,7 +217,7 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert card == (tmp_path / "ckpt" / "MODEL.md").read_text()
     pipe = CausvidPipeline.from_checkpoint(tmp_path / "ckpt", verbose=False)
     assert pipe.vae_scale == json.loads((chain / "latents" / "stats.json").read_text())["vae_scale"]
-    assert len(pipe.clip_paths) == 2 and pipe([0, 0], [1] + [0] * 10)[0].shape == (64, 64, 3)
+    assert len(pipe.replay.paths) == 2 and pipe([0, 0], [1] + [0] * 10)[0].shape == (64, 64, 3)
 
     # fine-tune: --init starts model and EMA from the checkpoint, with the checkpoint's vae_scale
     (chain / "latents2").mkdir()

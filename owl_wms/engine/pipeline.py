@@ -1,4 +1,4 @@
-"""CausVid two-step streaming pipeline (shared/ARCHITECTURE.md Part 2).
+"""CausVid two-step streaming pipeline (docs/architecture.md, The pipeline).
 
 Prefill the window with the noised history at t = alpha (cache writes on); then each frame:
 z ~ N(0, I) -> v1 = model(z, 1) (writes off) -> x = z - 0.75 v1 -> v2 = model(x, 0.25)
@@ -38,9 +38,11 @@ from .tensor_parallel import TensorParallelSteps
 
 class CausvidPipeline:
     def __init__(self, model, decoder: FrameDecoder | None, world: WorldConfig, settings: Settings | None = None,
-                 clip: Clip | None = None, ground_truth: bool = False, verbose: bool = True,
-                 tp: ParallelContext | None = None, weights: str | None = None):
-        self.world, self.cfg, self.weights = world, world.model, weights  # weights: said in the start-up line
+                 ground_truth: bool = False, verbose: bool = True, tp: ParallelContext | None = None,
+                 weights: str | None = None):
+        """``settings``: typed settings (default: the config's ``inference:`` section alone);
+        ``tp``: this rank's tensor-parallel context; ``weights``: which weights were loaded."""
+        self.world, self.cfg, self.weights = world, world.model, weights
         self.settings = s = settings or Settings.from_config(world.inference)
         self.window, self.alpha, self.vae_scale = world.pipeline.window_frames, world.pipeline.history_alpha, world.vae_scale
         self.lifecycle = Lifecycle(len(world.pipeline.schedule) - 1, s.kv_recompute_every, s.kv_cache_attention_bias)
@@ -72,8 +74,6 @@ class CausvidPipeline:
         self._guard_reported = False
         if self.verbose:
             print(startup_text(self), flush=True)
-        if clip is not None:
-            self.load_clip(clip)
 
     @classmethod
     def from_checkpoint(cls, checkpoint=None, ckpt_path=None, **options) -> "CausvidPipeline":
@@ -352,4 +352,8 @@ def startup_text(pipe) -> str:
         text += "\n" + pipe.tp.describe()
     if pipe.kv_plan is not None and pipe.settings.kv != KVSettings():
         text += f"\n[owl] kv plan: {describe_plan(pipe.kv_plan)}"
+    s = pipe.settings
+    if s.compile and s.device == "cpu" and "flex" in (s.attn_backend, s.attn_backend_decode):
+        text += ("\n[owl] compile: FlexAttention stays eager on CPU (inductor's CPU lowering fails for these "
+                 "shapes); the rest of every block is compiled")
     return text
