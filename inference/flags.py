@@ -7,9 +7,12 @@ tp_timeout_s, whose flag is OWL_TP_TIMEOUT. Errors name the flag or config key t
 from __future__ import annotations
 
 import os
+import re
 import warnings
+from pathlib import Path
 from typing import Mapping
 
+from owl_wms.config import load_config
 from owl_wms.settings import BY_FIELD, CODEC_FIELDS, OPTIONS, Settings, without_kv
 
 FLAGS = {o.field: "OWL_TP_TIMEOUT" if o.field == "tp_timeout_s" else f"OWL_{o.field.upper()}" for o in OPTIONS}
@@ -39,11 +42,19 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
 
 
+def checkpoint_settings(checkpoint, environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings of a checkpoint folder (or config file): its ``inference:`` section under the
+    OWL_* flags."""
+    checkpoint = Path(checkpoint)
+    return resolve_settings(load_config(checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint).inference,
+                            environ)
+
+
 def flag_message(exc: BaseException) -> str:
     """An engine or cache error about settings, with its parameters (``exc.params``) respelled as
     OWL_* flags."""
     text = str(exc)
     for field in getattr(exc, "params", ()):
         if FLAGS.get(field) and FLAGS[field] not in text and f"inference.{field}" not in text:
-            text = text.replace(field, FLAGS[field])
+            text = re.sub(rf"(?<![\w.]){field}(?==| \(unset\))", FLAGS[field], text)
     return text

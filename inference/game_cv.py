@@ -13,15 +13,15 @@ import sys
 from pathlib import Path
 
 from owl_wms.clips import load_clip
-from owl_wms.config import ConfigError, load_config
+from owl_wms.config import ConfigError
 from owl_wms.engine import CausvidPipeline, LifecycleError
 from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError
-from owl_wms.maze.worlds import load_level
+from owl_wms.maze.worlds import check_simulator, load_level
 from owl_wms.parallel import ParallelContext, TPError, is_collective_error
 from owl_wms.settings import Settings, SettingsError
 
 from .actions import BUILTIN
-from .flags import flag_message, resolve_settings
+from .flags import checkpoint_settings, flag_message
 from .headless import run_headless
 from .video import OutputPathError
 
@@ -86,9 +86,7 @@ def parse_args(argv=None):
 
 def run_settings(args) -> Settings:
     """The config's ``inference:`` section under the OWL_* flags, then --seed."""
-    checkpoint = Path(args.checkpoint)
-    cfg_path = checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint
-    settings = resolve_settings(load_config(cfg_path).inference)
+    settings = checkpoint_settings(args.checkpoint)
     return settings.replace(seed=args.seed) if args.seed is not None else settings
 
 
@@ -98,6 +96,7 @@ def build_pipeline(args, tp: ParallelContext | None = None) -> CausvidPipeline:
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
     pipe = CausvidPipeline.from_checkpoint(Path(args.checkpoint), args.ckpt, settings=settings, clip=clip,
                                            ground_truth=args.ground_truth, tp=tp, weights=args.weights)
+    check_simulator(pipe.world)
     if tp is not None and not tp.is_leader:
         return pipe
     if args.world_seed is not None:
@@ -136,16 +135,16 @@ def main(argv=None) -> int:
         return run_headless(args, build_pipeline, tp) if args.headless else run_play(args)
     except USER_ERRORS as exc:
         if tp is not None:
-            tp.fail(exc)
+            tp.fail(exc, flag_message(exc))
         prefix = f"rank {tp.rank}: " if tp is not None and not isinstance(exc, TPError) else ""
         print(f"error: {prefix}{flag_message(exc)}", file=sys.stderr)
         return 2
     except BaseException as exc:
         if tp is not None and is_collective_error(exc):  # a peer failed first: report its error
-            print(f"error: rank {tp.rank}: {tp.explain(exc)}", file=sys.stderr)
+            print(f"error: rank {tp.rank}: {flag_message(tp.explain(exc))}", file=sys.stderr)
             return 2
         if tp is not None:
-            tp.fail(exc)  # peers stop waiting and report this error
+            tp.fail(exc, flag_message(exc))  # peers stop waiting and report this error
         raise
     finally:
         if tp is not None:

@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from .controls import MOUSE_AXES, N_BUTTONS
 
 
-
 class ConfigError(ValueError):
     """A config file is missing, malformed, or describes something we cannot build."""
 

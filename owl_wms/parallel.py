@@ -204,12 +204,13 @@ class ParallelContext:
         return " ".join(f"{n}={v:g}" for n, v in zip(names, values))
 
     # -- failure -------------------------------------------------------------------------------
-    def fail(self, exc: BaseException) -> None:
-        """This rank raised: publish the error and drop out of the group so peers stop waiting."""
+    def fail(self, exc: BaseException, message: str | None = None) -> None:
+        """This rank raised: publish the error (``message``: its text as the app words it) and drop
+        out of the group so peers stop waiting."""
         if isinstance(exc, TPError) or not dist.is_initialized():
             return  # every rank raised it already (a vote or a check)
         try:
-            self.store.set(ERROR_KEY, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            self.store.set(ERROR_KEY, f"rank {self.rank}: {type(exc).__name__}: {message or exc}")
             dist.destroy_process_group()
             time.sleep(1.0)  # let peers read the store before torchrun stops the job
         except Exception:  # noqa: BLE001 - best effort on the way out

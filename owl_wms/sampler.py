@@ -1,4 +1,4 @@
-"""The few-step Euler sampler of the rectified flow, shared by the engine, training and evaluation.
+"""The few-step Euler sampler of the rectified flow, shared by the engine and training.
 
 From noise at t_0 = 1 down a schedule t_0 > t_1 > ... > t_K: x <- x - (t_i - t_{i+1}) v(x, t_i).
 """

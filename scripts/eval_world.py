@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
+from inference.flags import checkpoint_settings
 from owl_wms.maze.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.maze.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
                                  simulator_responses, standard_error, teacher_forced, turn_following,
@@ -78,7 +79,8 @@ def main(argv=None):
         p.error(f"--rest-frames {args.rest_frames}: must be >= 0 (0 skips the at-rest diagnostic)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pipe = CausvidPipeline.from_checkpoint(args.checkpoint, ckpt_path=args.weights, clip=None)
+    pipe = CausvidPipeline.from_checkpoint(args.checkpoint, ckpt_path=args.weights, clip=None,
+                                           settings=checkpoint_settings(args.checkpoint))
     if args.schedule:
         pipe.schedule = tuple(args.schedule)
     pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise

@@ -202,7 +202,7 @@ def test_snapshot_from_other_settings_is_refused(tmp_path):
     a.prefill(*history())
     path = a.save_state(tmp_path / "s.safetensors")
     b = make(**INT8_INPLACE)
-    with pytest.raises(ValueError, match="same checkpoint and OWL_"):
+    with pytest.raises(ValueError, match="same checkpoint and settings"):
         b.load_state(path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         a.save_state(tmp_path / "missing" / "s.safetensors")

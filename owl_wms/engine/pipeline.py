@@ -155,6 +155,7 @@ class CausvidPipeline:
         none_m, none_b = no_controls(history.shape[0])
         mouse = none_m if mouse is None else torch.as_tensor(mouse, dtype=torch.float32)
         buttons = none_b if buttons is None else torch.as_tensor(buttons, dtype=torch.float32)
+        self._check_history(history, mouse, buttons)  # before the reseed: a refused cut changes nothing
         if reseed:
             self.generator.manual_seed(self.settings.seed)
         self.prefill(history, mouse, buttons)
@@ -163,11 +164,7 @@ class CausvidPipeline:
     def prefill(self, history: torch.Tensor, mouse: torch.Tensor, buttons: torch.Tensor, noised: bool = False):
         """Hard cut to ``history`` [n, c, h, w] in model space without reseeding the noise;
         ``noised``: the history is already the noised model input (parity tests)."""
-        n, c, s = history.shape[0], self.cfg.channels, self.cfg.sample_size
-        if (history.ndim != 4 or not 1 <= n <= self.window or tuple(history.shape[1:]) != (c, s, s)
-                or tuple(mouse.shape) != (n, 2) or tuple(buttons.shape) != (n, N_BUTTONS)):
-            raise ValueError(f"history {tuple(history.shape)}, mouse {tuple(mouse.shape)}, buttons "
-                             f"{tuple(buttons.shape)}; expected [n <= {self.window}, {c}, {s}, {s}], [n, 2], [n, 11]")
+        self._check_history(history, mouse, buttons)
         self._anchor.clear()
         if not noised:
             self._anchor.extend(zip(history.float().cpu(), mouse.float().cpu(), buttons.float().cpu()))
@@ -175,7 +172,14 @@ class CausvidPipeline:
         self.replay.step = 0
         self._run(self.lifecycle.cut(x, mouse.float().cpu(), buttons.float().cpu()))
         if self.verbose and self.cache_epoch > 1:  # the first history is part of start-up
-            print(f"[owl] hard cut: cache epoch {self.cache_epoch}, {n} history frames", flush=True)
+            print(f"[owl] hard cut: cache epoch {self.cache_epoch}, {history.shape[0]} history frames", flush=True)
+
+    def _check_history(self, history, mouse, buttons):
+        n, c, s = history.shape[0], self.cfg.channels, self.cfg.sample_size
+        if (history.ndim != 4 or not 1 <= n <= self.window or tuple(history.shape[1:]) != (c, s, s)
+                or tuple(mouse.shape) != (n, 2) or tuple(buttons.shape) != (n, N_BUTTONS)):
+            raise ValueError(f"history {tuple(history.shape)}, mouse {tuple(mouse.shape)}, buttons "
+                             f"{tuple(buttons.shape)}; expected [n <= {self.window}, {c}, {s}, {s}], [n, 2], [n, 11]")
 
     def anchor(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last ``window`` committed frames (model-space latents, mouse, buttons) a recompute

@@ -25,6 +25,12 @@ def sim_config(world: WorldConfig, height: int, width: int) -> SimConfig:
         raise ConfigError(f"{source}: simulator section {world.simulator} is invalid: {exc}") from exc
 
 
+def check_simulator(world: WorldConfig) -> None:
+    """Refuse a world whose ``simulator:`` section the maze cannot build (at start-up, not at the
+    first level)."""
+    sim_config(world, 64, 64)
+
+
 def pipeline_sim_config(pipe) -> SimConfig:
     """The simulator of ``pipe``'s world at its decoded frame size."""
     return sim_config(pipe.world, *pipe.frame_shape)
