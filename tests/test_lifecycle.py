@@ -158,7 +158,7 @@ def test_recompute_from_decoded_frames_equals_a_hard_cut_to_those_images():
     ctrl = [([4.0, 0.0], [1] + [0] * 10)] * (every + 1)
     for m, b in ctrl[:every]:
         a.generate(m, b)
-    lat, m_hist, b_hist = (torch.stack(t) for t in zip(*a._anchor))
+    lat, m_hist, b_hist = a.recompute_anchor.stacked()
     images = torch.stack([a.decode(x[None, None]) for x in lat])
     rng = a.generator.get_state()
     after = a.generate(*ctrl[every])

@@ -13,7 +13,6 @@ profiler.py times the sections of a frame.
 """
 from __future__ import annotations
 
-import collections
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from ..sampler import euler
 from ..settings import KVSettings, Settings
 from ..vae import FrameDecoder, load_decoder
 from . import snapshot
+from .anchor import RecomputeAnchor
 from .lifecycle import Lifecycle, LifecycleError, Phase, StepPlan
 from .nocache import NoCacheHistory
 from .profiler import KVProfiler, NoProfiler
@@ -67,7 +67,7 @@ class CausvidPipeline:
         self.profiler = KVProfiler.attach(self, tp) if profile else NoProfiler()
         self.cache = None  # built at the first history
         self.nocache = NoCacheHistory(self.cfg.n_layers, self.window) if s.kv_cache == "none" else None
-        self._anchor: collections.deque = collections.deque(maxlen=self.window)  # committed clean frames
+        self.recompute_anchor = RecomputeAnchor(self.window)
         self.replay = ClipReplay(world, ground_truth)
         self.last_velocity = None  # the last step's prediction (A/B runs compare it)
         self.last_controls = None  # (mouse, buttons) the last frame used: the player's or the clip's (GT)
@@ -90,25 +90,12 @@ class CausvidPipeline:
         self._schedule = check_schedule(value)
         self.lifecycle.n_steps = len(self._schedule) - 1
 
-    @property
-    def cache_epoch(self) -> int:  # increments at every hard cut (a new history); 0 before the first
-        return self.lifecycle.epoch
-
-    @property
-    def frame_index(self) -> int:  # frames added to the history since the last hard cut
-        return self.lifecycle.frame_index
-
-    @property
-    def kv_cache_attention_bias(self) -> float:
-        return self.lifecycle.bias
-
-    @kv_cache_attention_bias.setter
-    def kv_cache_attention_bias(self, value: float):  # soft forgetting, live, from the next step
-        self.lifecycle.set_bias(value)
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.cache.nbytes() if self.cache is not None else 0
+    cache_epoch = property(lambda self: self.lifecycle.epoch, doc="+1 at every hard cut (a new history); 0 before")
+    frame_index = property(lambda self: self.lifecycle.frame_index, doc="frames added since the last hard cut")
+    kv_cache_attention_bias = property(lambda self: self.lifecycle.bias, lambda self, v: self.lifecycle.set_bias(v),
+                                       doc="soft forgetting, live: the logit bias of cached history keys")
+    kv_bytes = property(lambda self: self.cache.nbytes() if self.cache is not None else 0)
+    clip = property(lambda self: self.replay.clip, doc="the clip the history came from (None: none)")
 
     @property
     def frame_shape(self) -> tuple[int, int]:
@@ -117,10 +104,6 @@ class CausvidPipeline:
             c, s = self.cfg.channels, self.cfg.sample_size
             self._frame_shape = tuple(self.decode(torch.zeros(1, 1, c, s, s)).shape[:2])
         return self._frame_shape
-
-    @property
-    def clip(self) -> Clip | None:
-        return self.replay.clip
 
     # -- history ---------------------------------------------------------------------------------
     def load_clip(self, clip=0) -> Clip:
@@ -165,9 +148,7 @@ class CausvidPipeline:
         """Hard cut to ``history`` [n, c, h, w] in model space without reseeding the noise;
         ``noised``: the history is already the noised model input (parity tests)."""
         self._check_history(history, mouse, buttons)
-        self._anchor.clear()
-        if not noised:
-            self._anchor.extend(zip(history.float().cpu(), mouse.float().cpu(), buttons.float().cpu()))
+        self.recompute_anchor.restart(*(() if noised else (history, mouse, buttons)))
         x = history.float().cpu() if noised else self._noised_history(history)
         self.replay.step = 0
         self._run(self.lifecycle.cut(x, mouse.float().cpu(), buttons.float().cpu()))
@@ -182,11 +163,9 @@ class CausvidPipeline:
                              f"{tuple(buttons.shape)}; expected [n <= {self.window}, {c}, {s}, {s}], [n, 2], [n, 11]")
 
     def anchor(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The last ``window`` committed frames (model-space latents, mouse, buttons) a recompute
-        rebuilds the cache from ("latent" anchor; "decoded" re-encodes their decoded frames)."""
-        if not self._anchor:
-            raise RuntimeError("no committed frames to anchor a recompute (the history was given pre-noised)")
-        lat, m, b = (torch.stack(t) for t in zip(*self._anchor))
+        """What a recompute rebuilds the cache from: the anchor's latents, or with
+        kv_recompute_anchor "decoded" their decoded frames re-encoded (what the player saw)."""
+        lat, m, b = self.recompute_anchor.stacked()
         if self.settings.kv_recompute_anchor == "decoded":
             lat = self.decoder.encode_uint8(torch.stack([self.decode(x[None, None]) for x in lat])) / self.vae_scale
         return lat, m, b
@@ -243,7 +222,7 @@ class CausvidPipeline:
 
         x = euler(velocity, dev(plan.noise), self.schedule)
         if plan.commit and (self.tp is None or self.tp.is_leader):
-            self._anchor.append((x[0, 0].float().cpu(), plan.mouse.float().cpu(), plan.buttons.float().cpu()))
+            self.recompute_anchor.add(x[0, 0], plan.mouse, plan.buttons)
         return x
 
     def _velocity(self, x, t, m, b, write: bool, bias: float) -> torch.Tensor:
@@ -274,7 +253,7 @@ class CausvidPipeline:
         m, b = as_controls(mouse, buttons)
         clean = latent.reshape(1, *latent.shape[-3:]).float().cpu()
         self._run(self.lifecycle.observe(self._noised_history(clean), m[None], b[None]))
-        self._anchor.append((clean[0], m, b))
+        self.recompute_anchor.add(clean[0], m, b)
 
     @torch.no_grad()
     def generate(self, mouse, buttons, noise: torch.Tensor | None = None, commit: bool = True) -> torch.Tensor:
@@ -285,7 +264,7 @@ class CausvidPipeline:
             raise RuntimeError("pipeline has no history; call load_clip(), hard_cut() or prefill() first")
         mouse, buttons = self.last_controls = self.replay.controls(mouse, buttons)
         anchor = None
-        if commit and self.lifecycle.recompute_due and self._anchor:
+        if commit and self.lifecycle.recompute_due and self.recompute_anchor:
             lat, am, ab = self.anchor()
             anchor = (self._noised_history(lat), am, ab)  # anchor noise is drawn before the frame's
         if noise is None:

@@ -35,8 +35,8 @@ def get_state(pipe) -> dict:
     tensors = {"rng": pipe.generator.get_state()}
     meta = {"format": STATE_FORMAT, "identity": identity(pipe), "world": pipe.world.name,
             "lifecycle": pipe.lifecycle.state(), "gt_step": pipe.replay.step, "ground_truth": pipe.replay.on,
-            "clip": pipe.clip.name if pipe.clip is not None else None, "anchor": len(pipe._anchor)}
-    for i, (lat, m, b) in enumerate(pipe._anchor):
+            "clip": pipe.clip.name if pipe.clip is not None else None, "anchor": len(pipe.recompute_anchor)}
+    for i, (lat, m, b) in enumerate(pipe.recompute_anchor.frames):
         tensors.update({f"anchor.{i}.latent": lat, f"anchor.{i}.mouse": m, f"anchor.{i}.buttons": b})
     if pipe.cache is not None:
         cache_tensors, meta["cache"] = pipe.cache.state_dict()
@@ -65,8 +65,8 @@ def load_state(pipe, state: dict | str | Path):
     if "nocache" in meta:
         pipe.nocache.load_state({k[8:]: v for k, v in tensors.items() if k.startswith("nocache.")}, meta["nocache"],
                                 pipe.device, pipe.settings.dtype)
-    pipe._anchor.clear()
-    pipe._anchor.extend((tensors[f"anchor.{i}.latent"].clone(), tensors[f"anchor.{i}.mouse"].clone(),
+    pipe.recompute_anchor.restart()
+    pipe.recompute_anchor.frames.extend((tensors[f"anchor.{i}.latent"].clone(), tensors[f"anchor.{i}.mouse"].clone(),
                          tensors[f"anchor.{i}.buttons"].clone()) for i in range(meta["anchor"]))
     pipe.lifecycle.load_state(meta["lifecycle"])
     pipe.generator.set_state(tensors["rng"].clone())

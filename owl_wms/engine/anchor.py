@@ -1,0 +1,31 @@
+"""The recompute anchor: the last ``window`` committed clean frames (model-space latent, mouse,
+buttons), from which a recompute (the kv_recompute_every setting) rebuilds the cache."""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+
+class RecomputeAnchor:
+    def __init__(self, window: int):
+        self.frames: collections.deque = collections.deque(maxlen=window)
+
+    def restart(self, history=None, mouse=None, buttons=None):
+        """Empty, or the frames of a new history (none for a history given already noised)."""
+        self.frames.clear()
+        if history is not None:
+            self.frames.extend(zip(history.float().cpu(), mouse.float().cpu(), buttons.float().cpu()))
+
+    def add(self, latent: torch.Tensor, mouse: torch.Tensor, buttons: torch.Tensor):
+        self.frames.append((latent.float().cpu(), mouse.float().cpu(), buttons.float().cpu()))
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(latents [n, c, h, w], mouse [n, 2], buttons [n, 11])."""
+        if not self.frames:
+            raise RuntimeError("no committed frames to anchor a recompute (the history was given pre-noised)")
+        lat, m, b = (torch.stack(t) for t in zip(*self.frames))
+        return lat, m, b
