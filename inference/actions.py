@@ -49,23 +49,49 @@ def _builtin(name: str, n: int, seed: int) -> list[Action]:
     return out
 
 
+def shorten(obj, limit: int = 120) -> str:
+    """``repr(obj)`` cut to ``limit`` characters for error messages."""
+    text = repr(obj)
+    return text if len(text) <= limit else text[:limit - 15] + f"... ({len(text)} chars)"
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+
+# event field -> (check, what it must be)
+FIELDS = {"clip": (lambda v: _whole(v) and v >= 0, "a clip index, a whole number >= 0"),
+          "seed": (lambda v: _whole(v) and 0 <= v < 2**31, "a simulator level, a whole number in [0, 2^31)"),
+          "on": (lambda v: isinstance(v, bool), "true or false"),
+          "value": (lambda v: _number(v) and -100 <= v <= 100, "a number in [-100, 100]")}
+
+
 def parse_action(obj, where: str):
-    """A frame as (mouse, buttons), or an event as a dict with its ``event`` name."""
+    """A frame as (mouse, buttons), or an event as a dict with its ``event`` name; anything else
+    is refused with ``where`` (file:line) and what was expected."""
     if isinstance(obj, dict) and "event" in obj:
         name = obj["event"]
         if name not in EVENTS or set(obj) - {"event", *EVENTS[name]} or set(EVENTS[name]) - set(obj):
-            raise ValueError(f"{where}: unknown or malformed event {obj!r}; events: "
+            raise ValueError(f"{where}: unknown or malformed event {shorten(obj)}; events: "
                              + ", ".join(f"{k}({', '.join(v)})" for k, v in EVENTS.items()))
+        for field in EVENTS[name]:
+            ok, what = FIELDS[field]
+            if not ok(obj[field]):
+                raise ValueError(f"{where}: event {name!r} has {field}={shorten(obj[field])}; it must be {what}")
         return dict(obj)
     if not isinstance(obj, dict) or "mouse" not in obj or "buttons" not in obj:
-        raise ValueError(f"{where}: expected {{\"mouse\": [dx, dy], \"buttons\": [11 ints]}}, got {obj!r}")
+        raise ValueError(f"{where}: expected {{\"mouse\": [dx, dy], \"buttons\": [11 ints]}}, got {shorten(obj)}")
     mouse, buttons = obj["mouse"], obj["buttons"]
-    if (not isinstance(mouse, list) or len(mouse) != 2
-            or not all(isinstance(v, (int, float)) and np.isfinite(v) for v in mouse)):
-        raise ValueError(f"{where}: mouse must be 2 finite numbers, got {mouse!r}")
-    if not isinstance(buttons, list) or len(buttons) != len(BUTTONS) or not all(v in (0, 1) for v in buttons):
+    if not isinstance(mouse, list) or len(mouse) != 2 or not all(_number(v) and abs(v) <= 1e4 for v in mouse):
+        raise ValueError(f"{where}: mouse must be 2 finite numbers of at most 1e4 in size, got {shorten(mouse)}")
+    if (not isinstance(buttons, list) or len(buttons) != len(BUTTONS)
+            or not all(_whole(v) and v in (0, 1) for v in buttons)):
         raise ValueError(f"{where}: buttons must be {len(BUTTONS)} values of 0/1 "
-                         f"({' '.join(BUTTONS)}), got {buttons!r}")
+                         f"({' '.join(BUTTONS)}), got {shorten(buttons)}")
     return [float(v) for v in mouse], [int(v) for v in buttons]
 
 
@@ -75,8 +101,12 @@ def is_event(item) -> bool:
 
 def read_action_file(path: str | Path) -> list:
     path = Path(path)
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"action file {str(path)!r} is not a text file of JSON lines") from None
     items = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
+    for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

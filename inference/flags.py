@@ -23,6 +23,9 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     """The run's settings from a config's ``inference:`` section and the environment's OWL_* flags
     (``environ``: os.environ unless given)."""
     environ = os.environ if environ is None else environ
+    for name in sorted(k for k, v in environ.items() if k in KNOWN and not str(v).strip()):
+        warnings.warn(f"{name} is set but empty and is ignored; give it a value or unset it", stacklevel=2)
+    environ = {k: v for k, v in environ.items() if k.startswith("OWL_") and str(v).strip()}
     inference = dict(inference or {})
     # The codec flags act together: once any is set, the config's codec choice steps aside
     # (OWL_FP8_KV=1 means fp8 even where the config says kv_storage: int8).
@@ -40,6 +43,35 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     raw.update({f: environ[flag] for f, flag in FLAGS.items() if flag in environ})
     from_config = {f for f in raw if FLAGS[f] not in environ}
     return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthread siblings counted once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    try:
+        cores, cpu, phys = set(), None, "0"
+        for line in open("/proc/cpuinfo"):
+            key, _, value = (s.strip() for s in line.partition(":"))
+            if key == "processor":
+                cpu = int(value)
+            elif key == "physical id":
+                phys = value
+            elif key == "core id" and cpu in allowed:
+                cores.add((phys, value))
+        return max(1, len(cores)) if cores else len(allowed)
+    except OSError:
+        return max(1, len(allowed))
+
+
+def with_threads(settings: Settings, ranks: int = 1) -> Settings:
+    """``threads`` 0 (not chosen) becomes this machine's physical cores shared by ``ranks``
+    processes; torch then uses that many (set once, here at the edge)."""
+    import torch
+
+    if settings.threads == 0:
+        settings = settings.replace(threads=max(1, physical_cores() // ranks))
+    torch.set_num_threads(settings.threads)
+    return settings
 
 
 def checkpoint_settings(checkpoint, environ: Mapping[str, str] | None = None) -> Settings:

@@ -21,11 +21,13 @@ from owl_wms.parallel import ParallelContext, TPError, is_collective_error
 from owl_wms.settings import Settings, SettingsError
 
 from .actions import BUILTIN
-from .flags import checkpoint_settings, flag_message
+from .flags import checkpoint_settings, flag_message, with_threads
 from .headless import run_headless
-from .video import OutputPathError
+from .video import OutputPathError, OutputWriteError
 
-USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError, TPError,
+MAX_FRAMES = 100_000  # about 2 hours at 15 FPS; the action list is built up front
+USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, OutputWriteError, FileNotFoundError,
+               ValueError, TPError,
                LifecycleError)
 
 
@@ -73,26 +75,29 @@ def parse_args(argv=None):
     play.add_argument("--replay", default=None, help="play an action file in the window instead of live input")
     play.add_argument("--max-frames", type=int, default=None, help="quit after this many frames (automation)")
     args = p.parse_args(argv)
-    if args.frames is not None and args.frames < 1:
-        p.error(f"--frames {args.frames}: must be >= 1")
-    if args.scale < 1:
-        p.error(f"--scale {args.scale}: must be >= 1")
-    if args.tp < 1:
-        p.error(f"--tp {args.tp}: must be >= 1")
-    if args.sheet_every < 1:
-        p.error(f"--sheet-every {args.sheet_every}: must be >= 1")
+    for flag, value, lo, hi in (("--frames", args.frames, 1, MAX_FRAMES), ("--scale", args.scale, 1, 16),
+                                ("--tp", args.tp, 1, 64), ("--sheet-every", args.sheet_every, 1, 10_000),
+                                ("--max-frames", args.max_frames, 1, None), ("--world-seed", args.world_seed, 0, 2**31 - 1),
+                                ("--seed", args.seed, 0, 2**63 - 1)):
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):
+            p.error(f"{flag} {value}: must be a whole number " + (f"in [{lo}, {hi}]" if hi else f">= {lo}"))
+    for flag, value in (("--fps", args.fps), ("--target-fps", args.target_fps), ("--sensitivity", args.sensitivity)):
+        if value is not None and not 0 < value <= 1000:
+            p.error(f"{flag} {value}: must be a number in (0, 1000]")
     return args
 
 
 def run_settings(args) -> Settings:
     """The config's ``inference:`` section under the OWL_* flags, then --seed."""
-    settings = checkpoint_settings(args.checkpoint)
+    settings = with_threads(checkpoint_settings(args.checkpoint), args.tp)
     return settings.replace(seed=args.seed) if args.seed is not None else settings
 
 
 def build_pipeline(args, tp: ParallelContext | None = None) -> CausvidPipeline:
     """The pipeline with its first history; TP ranks other than 0 get theirs from rank 0."""
     settings = run_settings(args)
+    if tp is None or tp.is_leader:  # start-up takes seconds: say so at once
+        print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
     pipe = CausvidPipeline.from_checkpoint(Path(args.checkpoint), args.ckpt, settings=settings, clip=clip,
                                            ground_truth=args.ground_truth, tp=tp, weights=args.weights)

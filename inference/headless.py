@@ -2,6 +2,7 @@
 contact sheet), with the simulator's view beside the model's where asked."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -9,16 +10,14 @@ from owl_wms.engine import CausvidPipeline
 from owl_wms.parallel import ParallelContext
 
 from .actions import apply_event, is_event, load_actions
-from .video import Mp4Writer, StopOnSigint, check_output_path
+from .video import Mp4Writer, StopOnSigint, check_output_path, flat_frame_warning, write_atomically
 
 
 def save_frames(path: Path, frames: list):
     """Raw frames as one .npy, written atomically."""
     import numpy as np
 
-    tmp = path.with_name(f".{path.name}.partial.npy")
-    np.save(tmp, np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8))
-    tmp.replace(path)
+    write_atomically(path, lambda tmp: np.save(tmp, np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)))
 
 
 def save_sheet(path: Path, shown: list, every: int, per_row: int = 16):
@@ -34,9 +33,8 @@ def save_sheet(path: Path, shown: list, every: int, per_row: int = 16):
 
     views = [np.stack(v) for v in zip(*shown)]
     span = per_row * every
-    tmp = path.with_name(f".{path.name}.partial.png")
-    plt.imsave(tmp, rollout_sheet([tuple(v[i:i + span] for v in views) for i in range(0, len(shown), span)], every))
-    tmp.replace(path)
+    sheet = rollout_sheet([tuple(v[i:i + span] for v in views) for i in range(0, len(shown), span)], every)
+    write_atomically(path, lambda tmp: plt.imsave(tmp, sheet, format="png"))
 
 
 class SimulatorBeside:
@@ -101,6 +99,7 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
     try:
         with StopOnSigint() as stop:
             pipe = build(args, tp)
+            pipe.log = tqdm.write  # diagnostics above the progress bar, never on its line
             beside = SimulatorBeside(pipe) if args.beside_simulator else None
             start = time.perf_counter()
             bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
@@ -115,6 +114,8 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
                     continue
                 frame, secs = pipe(*item)
                 pipe_seconds += secs
+                if writer.frames == 0 and (warning := flat_frame_warning(frame)):
+                    tqdm.write(warning, file=sys.stderr)
                 views = (frame.numpy(),) if beside is None else (beside.step(pipe.last_controls), frame.numpy())
                 writer.write(views[0] if beside is None else beside.frame(*views))
                 if frames_path is not None or sheet_path is not None:
@@ -133,12 +134,12 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
         if sheet_path is not None and shown:
             save_sheet(sheet_path, shown, args.sheet_every)
     n = writer.frames
-    if n:
+    if path is not None:
         total = time.perf_counter() - start
         stopped = " - interrupted" if interrupted else " - stopped by an error" if error else ""
         print(f"wrote {path} ({n} frames){stopped}; pipeline {n / pipe_seconds:.2f} FPS, total {n / total:.2f} FPS")
     elif interrupted or error:
-        print("stopped before the first frame; no video written")
+        print("stopped before the first frame; no video written" if n == 0 else "no video written")
     if error is not None:
         raise error
     return 130 if interrupted else 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from owl_wms.controls import BUTTONS  # noqa: E402
 from owl_wms.engine import CausvidPipeline  # noqa: E402
 
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
-from .video import Mp4Writer, OutputPathError, StopOnSigint, check_output_path  # noqa: E402
+from .video import Mp4Writer, OutputPathError, StopOnSigint, check_output_path, flat_frame_warning  # noqa: E402
 
 DEFAULT_BINDINGS = dict(zip(BUTTONS, ("w", "a", "s", "d", "left shift", "space", "r", "f", "e", "mouse1", "mouse3")))
 CONTROL_KEYS = {pygame.K_ESCAPE: "quit", pygame.K_F1: "overlay", pygame.K_F2: "pause", pygame.K_F3: "step",
@@ -197,6 +198,8 @@ class Worker(threading.Thread):
                 t1 = time.perf_counter()
                 frame = self.pipe.decode(latent).numpy()
                 t2 = time.perf_counter()
+                if self.frames == 0 and (warning := flat_frame_warning(frame)):
+                    print(warning, file=sys.stderr, flush=True)
                 self.frames += 1
                 self._emit(FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls,
                                        epoch=self.pipe.cache_epoch))
@@ -244,7 +247,7 @@ class Game:
         self.controls = Controls(*parse_bindings(None))
         self.overlay = self.opt.overlay
         self.writer: Mp4Writer | None = None
-        self.recordings: list[Path] = []
+        self.recordings: list[tuple[Path, Path | None]] = []  # (asked, written: None when empty)
         self.screenshots: list[Path] = []
         self.frame: np.ndarray | None = None
         self.last: FrameResult | None = None
@@ -319,7 +322,7 @@ class Game:
     # -- output --------------------------------------------------------------------------------
     def toggle_recording(self, path: Path | None = None):
         if self.writer is not None:
-            self.recordings.append(self.writer.close() or self.writer.path)
+            self.recordings.append((self.writer.path, self.writer.close()))
             self.writer = None
             return
         path = path or self.opt.record_dir / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
@@ -479,8 +482,8 @@ class Game:
         if self.frames_shown:
             print(f"played {self.frames_shown} frames in {wall:.1f} s: total {self.frames_shown / wall:.2f} FPS, "
                   f"pipeline {self.frames_shown / pipe_s:.2f} FPS, overlay {'on' if self.overlay else 'off'}")
-        for path in self.recordings:
-            print(f"recorded {path}")
+        for path, written in self.recordings:
+            print(f"recorded {written}" if written is not None else f"recorded nothing to {path} (no frame was shown)")
         if actions_file is not None:
             print(f"saved actions to {self.opt.save_actions}")
         return code

@@ -3,6 +3,7 @@ finalised (moov atom written, renamed into place) on every exit, Ctrl-C included
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -10,8 +11,15 @@ import imageio_ffmpeg
 import numpy as np
 
 
+MIN_FREE = 1 << 20  # bytes a run needs free at start-up (a short video); a full disk is caught at close too
+
+
 class OutputPathError(ValueError):
-    pass
+    """An output path is refused before any work (its flag, the path and the fix are named)."""
+
+
+class OutputWriteError(RuntimeError):
+    """Writing an output failed (a full disk, ffmpeg stopped); the message says what was kept."""
 
 
 def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out") -> Path:
@@ -21,8 +29,14 @@ def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise OutputPathError(f"output folder {str(parent)!r} does not exist; create it or choose another {flag}")
+    if path.is_dir():
+        raise OutputPathError(f"{flag} {str(path)!r} is a folder; give a file name, e.g. {str(path / ('out' + suffix))!r}")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise OutputPathError(f"output {str(path)!r} is not writable; choose another {flag}")
+    free = shutil.disk_usage(parent).free
+    if free < MIN_FREE:
+        raise OutputPathError(f"{flag} {str(path)!r}: only {free // 1024} KiB free in {str(parent)!r}; free some space "
+                              f"or choose another {flag}")
     return path
 
 
@@ -34,7 +48,7 @@ class Mp4Writer:
         self.path = check_output_path(path)
         self.partial = self.path.with_name(f".{self.path.stem}.partial.mp4")
         self.fps, self.scale = fps, scale
-        self.frames = 0
+        self.frames, self.failed = 0, False
         self._gen = None
         # Fail now, not after an hour of play, if the folder refuses files.
         try:
@@ -53,16 +67,27 @@ class Mp4Writer:
                                                     pix_fmt_out="yuv420p", macro_block_size=2,
                                                     output_params=["-crf", "16"])
             self._gen.send(None)
-        self._gen.send(np.ascontiguousarray(frame))
+        try:
+            self._gen.send(np.ascontiguousarray(frame))
+        except OSError as exc:  # ffmpeg stopped: a full disk, most often
+            self._gen, self.failed = None, True
+            self.partial.unlink(missing_ok=True)
+            raise OutputWriteError(f"writing {str(self.path)!r} failed after {self.frames} frames (is the disk "
+                                   f"full?); nothing was kept: {str(exc).splitlines()[0]}") from None
         self.frames += 1
 
     def close(self) -> Path | None:
+        """Finish the video and move it into place; None if no frame was written (no file)."""
         if self._gen is not None:
             self._gen.close()  # ffmpeg (shielded from SIGINT by imageio-ffmpeg) writes the index
             self._gen = None
-        if self.frames == 0:
+        if self.frames == 0 or self.failed:
             self.partial.unlink(missing_ok=True)
             return None
+        if not finished_mp4(self.partial):
+            self.partial.unlink(missing_ok=True)
+            raise OutputWriteError(f"ffmpeg could not finish {str(self.path)!r} ({self.frames} frames; is the disk "
+                                   "full?); nothing was kept")
         os.replace(self.partial, self.path)
         return self.path
 
@@ -71,6 +96,41 @@ class Mp4Writer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def flat_frame_warning(frame) -> str | None:
+    """A one-line warning when a decoded frame is one flat colour (all black, say): the output
+    is certainly wrong, and the likely causes are named."""
+    frame = np.asarray(frame)
+    lo, hi = int(frame.min()), int(frame.max())
+    if hi - lo > 2:
+        return None
+    return (f"[owl] warning: the first frame is one flat colour (pixel values {lo} to {hi}); this checkpoint's "
+            "weights, its decoder or its train.vae_scale are likely wrong")
+
+
+def write_atomically(path: Path, write) -> Path:
+    """``write(tmp)`` to a hidden file beside ``path``, renamed into place only when it succeeded;
+    on failure nothing is left and OutputWriteError says so."""
+    tmp = path.with_name(f".{path.name}.partial{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputWriteError(f"writing {str(path)!r} failed ({exc.strerror or exc}); nothing was kept") from None
+    return path
+
+
+def finished_mp4(path: Path) -> bool:
+    """The file is a whole mp4: ffmpeg wrote its index (the ``moov`` box) after the frames."""
+    import mmap
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(b"moov") >= 0
+    except (OSError, ValueError):  # missing or empty
+        return False
 
 
 def count_frames(path: str | Path) -> int:
@@ -87,12 +147,14 @@ def read_frames(path: str | Path) -> np.ndarray:
 class StopOnSigint:
     """Ctrl-C becomes a request checked between frames (``requested``), so it can never land
     inside a write to ffmpeg and truncate the file; a second Ctrl-C interrupts at once.
-    SIGTERM is treated the same way (torchrun turns a Ctrl-C into SIGTERM for its workers)."""
+    SIGTERM and SIGHUP are treated the same way (torchrun turns a Ctrl-C into SIGTERM for its
+    workers; a closed terminal sends SIGHUP)."""
 
     def __enter__(self):
         self.requested = False
         self._previous = signal.signal(signal.SIGINT, self._handle)
         self._previous_term = signal.signal(signal.SIGTERM, self._handle)
+        self._previous_hup = signal.signal(signal.SIGHUP, self._handle)  # a closed terminal
         return self
 
     def _handle(self, signum, frame):
@@ -103,3 +165,4 @@ class StopOnSigint:
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self._previous)
         signal.signal(signal.SIGTERM, self._previous_term)
+        signal.signal(signal.SIGHUP, self._previous_hup)

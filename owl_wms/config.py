@@ -9,6 +9,7 @@ clips and the evaluation must use too). Relative paths in
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -227,6 +228,24 @@ class WorldConfig:
         return p
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _section(raw, name: str, path) -> dict:
+    """A config section as a plain dict (empty when absent), refused unless it is a mapping."""
+    section = raw.get(name)
+    if section is None:
+        return {}
+    if not isinstance(section, DictConfig):
+        raise ConfigError(f"{path}: the {name}: section must be a mapping of keys to values, got {section!r}")
+    return OmegaConf.to_container(section, resolve=True)
+
+
 def load_config(path: str | Path) -> WorldConfig:
     path = Path(path)
     if not path.is_file():
@@ -240,22 +259,36 @@ def load_config(path: str | Path) -> WorldConfig:
         raise ConfigError(f"config file {str(path)!r} has no 'model:' section")
     model = ModelConfig.from_mapping(raw.model, source=str(path))
     train = raw.get("train") or {}
-    vae_scale = float(train.get("vae_scale", 1.0))
-    pipe = OmegaConf.to_container(raw.get("pipeline") or OmegaConf.create({}), resolve=True)
+    vae_scale = train.get("vae_scale", 1.0)
+    if not _number(vae_scale) or not vae_scale > 0:
+        raise ConfigError(f"{path}: train.vae_scale={vae_scale!r} must be a positive number (latents are divided "
+                          "by it; the encoder's measured scale, 1.0 if unknown)")
+    pipe = _section(raw, "pipeline", path)
     unknown = set(pipe) - {f.name for f in dataclasses.fields(PipelineConfig)}
     if unknown:
         raise ConfigError(f"{path}: unknown pipeline keys {sorted(unknown)}; "
                           f"known: {[f.name for f in dataclasses.fields(PipelineConfig)]}")
+    window = pipe.get("window_frames", PipelineConfig.window_frames)
+    if not _whole(window) or not 2 <= window <= 10_000:
+        raise ConfigError(f"{path}: pipeline.window_frames={window!r} must be a whole number in [2, 10000]")
+    alpha = pipe.get("history_alpha", PipelineConfig.history_alpha)
+    if not _number(alpha) or not 0 <= alpha < 1:
+        raise ConfigError(f"{path}: pipeline.history_alpha={alpha!r} must be a number in [0, 1)")
     if "schedule" in pipe:
-        pipe["schedule"] = tuple(float(t) for t in pipe["schedule"])
+        sched = pipe["schedule"]
+        if not isinstance(sched, list) or not all(_number(x) for x in sched):
+            raise ConfigError(f"{path}: pipeline.schedule={sched!r} must be a list of numbers, e.g. [1.0, 0.25, 0.0]")
+        pipe["schedule"] = tuple(float(x) for x in sched)
+    if not isinstance(pipe.get("clips", ""), (str, type(None))):
+        raise ConfigError(f"{path}: pipeline.clips={pipe['clips']!r} must be a folder name")
     pipeline = PipelineConfig(**pipe)
     try:
         check_schedule(pipeline.schedule, "pipeline.schedule")
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    if pipeline.window_frames < 2:
-        raise ConfigError(f"{path}: pipeline.window_frames={pipeline.window_frames} must be >= 2")
-    dec = OmegaConf.to_container(raw.get("decoder") or OmegaConf.create({}), resolve=True)
+    dec = _section(raw, "decoder", path)
+    if not isinstance(dec.get("class", ""), str) or not isinstance(dec.get("path", ""), (str, type(None))):
+        raise ConfigError(f"{path}: decoder.class and decoder.path must be names, got {dec!r}")
     decoder = DecoderConfig(cls=dec.get("class", "AutoencoderTiny"), path=dec.get("path"),
                             trained=bool(dec.get("trained", True)))
     inference = OmegaConf.to_container(raw.get("inference") or OmegaConf.create({}), resolve=True)

@@ -223,6 +223,10 @@ def load_weights(model: GameRFT, state: dict[str, torch.Tensor], source: str = "
             lines.append(f"  shape mismatch {k}: expected {list(e)}, got {list(g)}")
         lines.append("  fix: pass the config the checkpoint was trained with")
         raise CheckpointError("\n".join(lines))
+    broken = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if broken:
+        raise CheckpointError(f"checkpoint {source} holds non-finite weights (NaN or inf) in {len(broken)} tensors, "
+                              f"e.g. {broken[:3]}; it would render garbage: use an earlier checkpoint of the run")
     model.core.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
     return model
 

@@ -111,6 +111,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("device", _device, "auto", "where the model runs (auto: cuda if available)"),
     Option("dtype", _choice(*_DTYPES), "bf16", "model and cache dtype"),
     Option("seed", _int(0), 0, "seed of the noise generator"),
+    Option("threads", _int(0), 0, "CPU threads for torch (0: the machine's physical cores, shared by TP ranks)"),
     Option("compile", _bool, False, "torch.compile the model and the KV codecs' kernels"),
     Option("attn_backend", _choice("auto", "sdpa", "flex"), "auto",
          "attention backend (auto: flex on GPU, sdpa on CPU)"),
@@ -201,8 +202,8 @@ class KVSettings:
             raise SettingsError(" and ".join(source(f) for f in fields) + f" contradict: {why}", tuple(fields))
 
         storage, bits, fp8 = v["kv_storage"], v["kv_bits"], v["fp8_kv"]
-        if storage and bits and (storage == "int4") != (bits == "4"):
-            clash(("kv_storage", "kv_bits"), f"{storage} is not a {bits}-bit format; set only one of them")
+        if storage and bits and storage != {"8": "int8", "4": "int4"}[bits]:
+            clash(("kv_storage", "kv_bits"), f"{storage} is not the {bits}-bit integer format; set only one of them")
         base = storage or {"8": "int8", "4": "int4", None: None}[bits] or ("fp8_e4m3" if fp8 else "bf16")
         fmt_k, fmt_v = v["kv_fmt_k"] or base, v["kv_fmt_v"] or base
         if fp8 is False:
@@ -261,6 +262,7 @@ class Settings:
     device: str = "cpu"
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
+    threads: int = 0  # CPU threads torch uses (0: not chosen; apps resolve it to the physical cores)
     compile: bool = False
     attn_backend: str = "sdpa"
     attn_backend_decode: str = "sdpa"
@@ -317,7 +319,7 @@ class Settings:
             # FlexAttention is fast only when compiled (Triton); eager it runs an unfused
             # reference that made a CUDA frame ~10x slower than SDPA (measured on an H100).
             backend = "flex" if device.startswith("cuda") and v["compile"] else "sdpa"
-        return cls(device=device, dtype=_DTYPES[v["dtype"]], seed=v["seed"], compile=v["compile"],
+        return cls(device=device, dtype=_DTYPES[v["dtype"]], seed=v["seed"], threads=v["threads"], compile=v["compile"],
                    attn_backend=backend, attn_backend_decode="sdpa" if v["attn_sdpa_decode"] else backend,
                    kv_cache=v["kv_cache"], profile_kv=v["profile_kv"],
                    profile_kv_first=v["profile_kv_first"], profile_kv_every=v["profile_kv_every"],
@@ -331,7 +333,7 @@ class Settings:
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        return (f"device={self.device} dtype={dtype} seed={self.seed} compile={int(self.compile)} "
+        return (f"device={self.device} dtype={dtype} seed={self.seed} threads={self.threads} compile={int(self.compile)} "
                 f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
                 + (f"[{self.kv.describe()}] " if self.kv_cache != "none" else "")
                 + (f"recompute_every={self.kv_recompute_every}({self.kv_recompute_anchor}) "

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,11 @@ from owl_wms.model import GameRFT
 from owl_wms.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
+# A fixed, small thread count: on a busy machine the suite slows in proportion instead of
+# collapsing, and the apps the tests start in child processes use the same.
+TEST_THREADS = 2
+torch.set_num_threads(TEST_THREADS)
+os.environ.setdefault("OWL_THREADS", str(TEST_THREADS))
 GOLDEN = REPO.parent / "shared" / "golden" / "gamerft_motion_tiny.safetensors"
 
 

@@ -141,7 +141,7 @@ def test_pause_step_and_replay_in_the_window(dummy_video, tmp_path):
     assert game.stepped_frames == game.paused_frames + 1
     # F9 started a recording; quitting with Esc finalised it (frames already queued when F9
     # was read were shown before it, so the count is up to frames_shown - 1)
-    (rec,) = game.recordings
+    ((_, rec),) = game.recordings
     assert rec.parent == tmp_path and 1 <= count_frames(rec) <= game.frames_shown - 1
 
 

@@ -71,3 +71,22 @@ def test_the_library_names_its_parameters_and_the_apps_respell_them_as_flags():
     assert flag_message(err.value).startswith("OWL_KV_LATE_LAYERS=99 exceeds")  # ...the apps' flags
     with pytest.raises(SettingsError, match="OWL_DEVICE='tpu' is malformed"):
         resolve_settings({}, environ={"OWL_DEVICE": "tpu"})
+
+
+def test_threads_default_to_the_physical_cores_shared_by_ranks_and_show_in_the_start_up_line():
+    from inference.flags import physical_cores, with_threads
+
+    before = torch.get_num_threads()
+    try:
+        s = with_threads(resolve_settings({}, environ={}), ranks=2)
+        assert s.threads == max(1, physical_cores() // 2) and torch.get_num_threads() == s.threads
+        s = with_threads(resolve_settings({}, environ={"OWL_THREADS": "1"}), ranks=2)
+        assert s.threads == 1 and torch.get_num_threads() == 1 and "threads=1 " in s.describe()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_empty_flag_is_ignored_with_a_warning_not_read_as_off():
+    with pytest.warns(UserWarning, match="OWL_FP8_KV is set but empty and is ignored"):
+        s = resolve_settings({"kv_storage": "int8"}, environ={"OWL_FP8_KV": ""})
+    assert s.kv.fmt_k == "int8"  # the config's plan stands

@@ -50,6 +50,7 @@ class CausvidPipeline:
         self.device = torch.device(s.device)
         self.n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
         self.verbose = verbose and (tp is None or tp.is_leader)
+        self.log = lambda text: print(text, flush=True)  # where messages go (a progress bar may take them)
         # Under tensor parallelism each rank holds some heads; its cache sees only those.
         self.tp = TensorParallelSteps(self, tp, model) if tp is not None else None
         self.cache_cfg = tp.local_config(self.cfg) if tp is not None else self.cfg
@@ -73,7 +74,7 @@ class CausvidPipeline:
         self.last_controls = None  # (mouse, buttons) the last frame used: the player's or the clip's (GT)
         self._guard_reported = False
         if self.verbose:
-            print(startup_text(self), flush=True)
+            self.log(startup_text(self))
 
     @classmethod
     def from_checkpoint(cls, checkpoint=None, ckpt_path=None, **options) -> "CausvidPipeline":
@@ -153,7 +154,7 @@ class CausvidPipeline:
         self.replay.step = 0
         self._run(self.lifecycle.cut(x, mouse.float().cpu(), buttons.float().cpu()))
         if self.verbose and self.cache_epoch > 1:  # the first history is part of start-up
-            print(f"[owl] hard cut: cache epoch {self.cache_epoch}, {history.shape[0]} history frames", flush=True)
+            self.log(f"[owl] hard cut: cache epoch {self.cache_epoch}, {history.shape[0]} history frames")
 
     def _check_history(self, history, mouse, buttons):
         n, c, s = history.shape[0], self.cfg.channels, self.cfg.sample_size
@@ -273,7 +274,7 @@ class CausvidPipeline:
         _, x = self._run(self.lifecycle.frame(mouse.float(), buttons.float(), noise.float().cpu(), commit, anchor))
         report = self.verbose and not self._guard_reported and getattr(self.cache, "guard_report", lambda: None)()
         if report:  # the ring guard's checksum window is over
-            print(report, flush=True)
+            self.log(report)
             self._guard_reported = True
         return x
 

@@ -34,7 +34,7 @@ class KVProfiler:
         compiled blocks cannot be timed from outside) and, under tensor parallelism, the
         all-reduces and the step exchange and checks."""
         s = pipe.settings
-        self = cls(s.device, s.profile_kv_first, s.profile_kv_every)
+        self = cls(s.device, s.profile_kv_first, s.profile_kv_every, printer=lambda text: pipe.log(text))
         if not s.compile:
             for block in pipe.core.transformer.blocks:
                 self.instrument(block.attn, "attend_out", "attn")

@@ -25,12 +25,16 @@ class ClipReplay:
         return list_clips(folder) if folder is not None and folder.is_dir() else []
 
     def load(self, clip) -> Clip:
-        """``clip``: an index into ``paths`` (wrapping), a path, or a ``Clip``."""
+        """``clip``: an index into ``paths``, a path, or a ``Clip``."""
         if isinstance(clip, int):
-            if not self.paths:
+            paths = self.paths
+            if not paths:
                 raise FileNotFoundError(f"world {self.world.name!r} has no clips (pipeline.clips="
                                         f"{self.world.pipeline.clips!r})")
-            clip = self.paths[clip % len(self.paths)]
+            if not 0 <= clip < len(paths):
+                raise ValueError(f"clip {clip} does not exist: world {self.world.name!r} has {len(paths)} clips "
+                                 f"(0 to {len(paths) - 1})")
+            clip = paths[clip]
         cfg = self.world.model
         self.clip = clip if isinstance(clip, Clip) else load_clip(clip, cfg.channels, cfg.sample_size)
         return self.clip

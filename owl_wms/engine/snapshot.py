@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 STATE_FORMAT = "owl-pipeline-state/1"
 # Settings a snapshot may differ in: the generator state and the bias travel in the snapshot.
-VOLATILE = {"seed", "profile_kv", "profile_kv_first", "profile_kv_every", "tp_check_every", "tp_timeout_s",
+VOLATILE = {"seed", "threads", "profile_kv", "profile_kv_first", "profile_kv_every", "tp_check_every", "tp_timeout_s",
             "kv_cache_attention_bias"}
 
 

@@ -44,7 +44,7 @@ class TensorParallelSteps:
                 offsets = [pipe.cache.get_offset(i) if pipe.cache is not None else 0 for i in range(n)]
                 agreed = tp.check_scalars(names, [*pipe.lifecycle.scalars(), *offsets])
                 if plan.event == "stop" and pipe.verbose:
-                    print(f"[owl] tensor parallel: {tp.world} ranks agree at stop: {agreed}", flush=True)
+                    pipe.log(f"[owl] tensor parallel: {tp.world} ranks agree at stop: {agreed}")
             return plan, x
         except TPError:
             raise

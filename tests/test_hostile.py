@@ -1,0 +1,234 @@
+"""Hostile and careless input to the app: every case ends with a one-line error that names the
+thing, the value and the fix; no traceback, a non-zero exit status and no file left behind."""
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from inference.game_cv import main
+
+from .conftest import REPO
+
+TINY = REPO / "checkpoints" / "untrained-tiny"
+
+
+def tiny_copy(tmp_path, config_edit=None, weights_edit=None):
+    """A copy of the tiny checkpoint with its config text or weights changed."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(TINY, folder)
+    if config_edit is not None:
+        (folder / "config.yaml").write_text(config_edit((folder / "config.yaml").read_text()))
+    if weights_edit is not None:
+        state = load_file(str(folder / "model.safetensors"))
+        weights_edit(state)
+        save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def sub(pattern, repl):
+    return lambda text: re.sub(pattern, repl, text, flags=re.M)
+
+
+def nan_first(state):
+    key = sorted(k for k, v in state.items() if v.is_floating_point())[0]
+    state[key] = torch.full_like(state[key], float("nan"))
+
+
+def action_file(*lines):
+    def make(tmp):
+        (tmp / "a.jsonl").write_text("".join(x + "\n" for x in lines))
+        return ["--actions", str(tmp / "a.jsonl")]
+    return make
+
+
+FRAME = json.dumps({"mouse": [0, 0], "buttons": [0] * 11})
+
+# id -> (extra argv or a function of tmp_path giving it, OWL_* flags, expected message regex)
+CASES = {
+    # command-line values
+    "frames-zero": (["--frames", "0"], {}, r"--frames 0: must be a whole number in \[1, 100000\]"),
+    "frames-negative": (["--frames", "-5"], {}, r"--frames -5: must be"),
+    "frames-billion": (["--frames", "1000000000"], {}, r"--frames 1000000000: must be a whole number in \[1, 100000\]"),
+    "frames-text": (["--frames", "abc"], {}, r"--frames: invalid int value: 'abc'"),
+    "scale-zero": (["--scale", "0"], {}, r"--scale 0: must be"),
+    "scale-huge": (["--scale", "400"], {}, r"--scale 400: must be a whole number in \[1, 16\]"),
+    "tp-zero": (["--tp", "0"], {}, r"--tp 0: must be"),
+    "fps-zero": (["--fps", "0"], {}, r"--fps 0.0: must be a number in \(0, 1000\]"),
+    "fps-negative": (["--fps", "-5"], {}, r"--fps -5.0: must be"),
+    "fps-nan": (["--fps", "nan"], {}, r"--fps nan: must be"),
+    "fps-inf": (["--fps", "inf"], {}, r"--fps inf: must be"),
+    "target-fps-zero": (["--target-fps", "0"], {}, r"--target-fps 0.0: must be"),
+    "sensitivity-negative": (["--sensitivity", "-1"], {}, r"--sensitivity -1.0: must be"),
+    "world-seed-negative": (["--world-seed", "-1"], {}, r"--world-seed -1: must be a whole number in \[0, 2147483647\]"),
+    "world-seed-huge": (["--world-seed", str(2**40)], {}, r"--world-seed 1099511627776: must be"),
+    "seed-negative": (["--seed", "-1"], {}, r"--seed -1: must be"),
+    "seed-huge": (["--seed", str(2**70)], {}, r"--seed \d+: must be a whole number in \[0, 9223372036854775807\]"),
+    "sheet-every-zero": (["--sheet-every", "0"], {}, r"--sheet-every 0: must be"),
+    "max-frames-zero": (["--max-frames", "0"], {}, r"--max-frames 0: must be a whole number >= 1"),
+    "weights-unknown": (["--weights", "bogus"], {}, r"--weights: invalid choice: 'bogus'"),
+    # output paths, refused before any work
+    "out-suffix": (lambda t: ["--out", str(t / "x.avi")], {}, r"--out '.*x\.avi' must end in \.mp4"),
+    "out-missing-folder": (lambda t: ["--out", str(t / "no" / "x.mp4")], {}, r"output folder '.*no' does not exist"),
+    "out-is-folder": (lambda t: (t / "d.mp4").mkdir() or ["--out", str(t / "d.mp4")], {}, r"--out '.*d\.mp4' is a folder"),
+    "save-frames-suffix": (lambda t: ["--save-frames", str(t / "f.txt")], {}, r"--save-frames '.*f\.txt' must end in \.npy"),
+    "save-frames-is-folder": (lambda t: (t / "f.npy").mkdir() or ["--save-frames", str(t / "f.npy")], {},
+                              r"--save-frames '.*f\.npy' is a folder"),
+    "sheet-suffix": (lambda t: ["--sheet", str(t / "s.jpg")], {}, r"--sheet '.*s\.jpg' must end in \.png"),
+    "sheet-is-folder": (lambda t: (t / "s.png").mkdir() or ["--sheet", str(t / "s.png")], {}, r"--sheet '.*s\.png' is a folder"),
+    "tp-without-torchrun": (["--tp", "2"], {}, r"--tp 2 needs 2 processes started by torchrun"),
+    # action scripts and files
+    "actions-missing": (["--actions", "nowhere.jsonl"], {}, r"--actions 'nowhere\.jsonl' is neither a built-in script"),
+    "actions-builtin-arg": (["--actions", "forward:3"], {}, r"action script 'forward:3': only 'random' takes a seed"),
+    "actions-bad-json": (action_file("{mouse: 1}"), {}, r"a\.jsonl:1: not valid JSON"),
+    "actions-empty": (action_file(""), {}, r"action file '.*a\.jsonl' holds no frames"),
+    "actions-only-events": (action_file('{"event": "restart"}'), {}, r"holds no frames"),
+    "actions-binary": (lambda t: [(t / "a.jsonl").write_bytes(b"\xff\xfe\x00garbage"), "--actions", str(t / "a.jsonl")][1:],
+                       {}, r"action file '.*a\.jsonl' is not a text file of JSON lines"),
+    "actions-unknown-event": (action_file(FRAME, '{"event": "explode"}'), {}, r"a\.jsonl:2: unknown or malformed event"),
+    "actions-clip-null": (action_file(FRAME, '{"event": "clip", "clip": null}'), {},
+                          r"a\.jsonl:2: event 'clip' has clip=None; it must be a clip index"),
+    "actions-clip-negative": (action_file(FRAME, '{"event": "clip", "clip": -2}'), {}, r"clip=-2; it must be"),
+    "actions-on-string": (action_file(FRAME, '{"event": "ground_truth", "on": "false"}'), {},
+                          r"event 'ground_truth' has on='false'; it must be true or false"),
+    "actions-seed-fraction": (action_file(FRAME, '{"event": "world_seed", "seed": 3.7}'), {},
+                              r"event 'world_seed' has seed=3\.7; it must be a simulator level"),
+    "actions-bias-null": (action_file(FRAME, '{"event": "bias", "value": null}'), {}, r"event 'bias' has value=None"),
+    "actions-bias-huge": (action_file(FRAME, '{"event": "bias", "value": 1e9}'), {}, r"value=1000000000\.0; it must be a number in \[-100, 100\]"),
+    "actions-mouse-nan": (action_file('{"mouse": [NaN, 0], "buttons": [0,0,0,0,0,0,0,0,0,0,0]}'), {},
+                          r"a\.jsonl:1: mouse must be 2 finite numbers"),
+    "actions-mouse-short": (action_file('{"mouse": [1], "buttons": [0,0,0,0,0,0,0,0,0,0,0]}'), {}, r"mouse must be 2"),
+    "actions-buttons-short": (action_file('{"mouse": [0, 0], "buttons": [1, 0]}'), {}, r"buttons must be 11 values of 0/1"),
+    "actions-buttons-bool": (action_file('{"mouse": [0, 0], "buttons": [true,0,0,0,0,0,0,0,0,0,0]}'), {},
+                             r"buttons must be 11 values of 0/1"),
+    "actions-long-line": (action_file(json.dumps({"mouse": [0, 0], "buttons": list(range(5000))})), {},
+                          r"buttons must be 11 values of 0/1 \(W A S D.*\.\.\. \(\d+ chars\)"),
+    "actions-more-frames-asked": (lambda t: action_file(FRAME)(t) + ["--frames", "5"], {},
+                                  r"has 1 frames of actions but 5 frames were asked; pass --frames 1 or fewer"),
+    # OWL_* flags
+    "env-device": ([], {"OWL_DEVICE": "tpu"}, r"OWL_DEVICE='tpu' is malformed; accepted values: cpu\|cuda"),
+    "env-dtype": ([], {"OWL_DTYPE": "fp64"}, r"OWL_DTYPE='fp64' is malformed"),
+    "env-seed": ([], {"OWL_SEED": "-1"}, r"OWL_SEED='-1' is malformed; accepted values: an integer >= 0"),
+    "env-threads": ([], {"OWL_THREADS": "many"}, r"OWL_THREADS='many' is malformed"),
+    "env-storage": ([], {"OWL_KV_STORAGE": "int3"}, r"OWL_KV_STORAGE='int3' is malformed"),
+    "env-bits": ([], {"OWL_KV_BITS": "5"}, r"OWL_KV_BITS='5' is malformed"),
+    "env-storage-bits-clash": ([], {"OWL_KV_STORAGE": "fp8_e4m3", "OWL_KV_BITS": "8"},
+                               r"OWL_KV_STORAGE='fp8_e4m3' and OWL_KV_BITS='8' contradict"),
+    "env-ring": ([], {"OWL_RING_MODE": "spiral"}, r"OWL_RING_MODE='spiral' is malformed; accepted values: roll\|pointer\|inplace"),
+    "env-bias": ([], {"OWL_KV_CACHE_ATTENTION_BIAS": "1000"}, r"OWL_KV_CACHE_ATTENTION_BIAS='1000' is malformed"),
+    "env-timeout": ([], {"OWL_TP_TIMEOUT": "0"}, r"OWL_TP_TIMEOUT='0' is malformed"),
+    "env-recompute-nocache": ([], {"OWL_KV_RECOMPUTE_EVERY": "4", "OWL_KV_CACHE": "none"},
+                              r"OWL_KV_RECOMPUTE_EVERY='4' rebuilds the KV cache, but OWL_KV_CACHE='none'"),
+    "env-late-layers-too-many": ([], {"OWL_KV_STORAGE": "int8", "OWL_KV_LATE_LAYERS": "99"},
+                                 r"OWL_KV_LATE_LAYERS=99 exceeds the model's \d+ layers"),
+    "env-share-too-many": ([], {"OWL_KV_SHARE": "99"}, r"OWL_KV_SHARE=99 exceeds the model's \d+ layers"),
+    # checkpoints, configs and clips
+    "checkpoint-missing": (lambda t: ["--checkpoint", str(t / "nowhere")], {}, r"config file '.*nowhere' does not exist"),
+    "ckpt-missing": (["--ckpt", "nowhere.safetensors"], {}, r"nowhere\.safetensors"),
+    "ckpt-garbage": (lambda t: [(t / "w.safetensors").write_bytes(b"not a tensor file"), "--ckpt", str(t / "w.safetensors")][1:],
+                     {}, r"w\.safetensors"),
+    "weights-nan": (lambda t: ["--checkpoint", str(tiny_copy(t, weights_edit=nan_first))], {},
+                    r"holds non-finite weights \(NaN or inf\) in 1 tensors"),
+    "config-vae-scale-zero": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"vae_scale: .*", "vae_scale: 0")))], {},
+                              r"train\.vae_scale=0 must be a positive number"),
+    "config-vae-scale-text": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"vae_scale: .*", "vae_scale: abc")))], {},
+                              r"train\.vae_scale='abc' must be a positive number"),
+    "config-window-text": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"window_frames: .*", "window_frames: abc")))],
+                           {}, r"pipeline\.window_frames='abc' must be a whole number"),
+    "config-alpha": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"history_alpha: .*", "history_alpha: 2")))], {},
+                     r"pipeline\.history_alpha=2 must be a number in \[0, 1\)"),
+    "config-heads-zero": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"n_heads: .*", "n_heads: 0")))], {},
+                          r"model\.n_heads=0 is not supported: must be a positive integer"),
+    "config-size-text": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"sample_size: .*", 'sample_size: "8"')))], {},
+                         r"model\.sample_size='8' is not supported"),
+    "config-not-yaml": (lambda t: ["--checkpoint", str(tiny_copy(t, lambda s: s + "\n  : : [\n"))], {}, r"is not valid YAML"),
+    "config-simulator-typo": (lambda t: ["--checkpoint", str(tiny_copy(t, lambda s: s + "simulator:\n  corrdor: 2\n"))], {},
+                              r"unknown simulator keys \['corrdor'\]"),
+    "clip-out-of-range": (["--clip", "99"], {}, r"clip 99 does not exist: world '.*' has \d+ clips"),
+    "clip-missing-file": (["--clip", "nowhere.safetensors"], {}, r"nowhere\.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_input_is_refused_with_a_clear_message_and_no_file(case, tmp_path, monkeypatch, capsys):
+    argv, env, expected = CASES[case]
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    argv = argv(inputs) if callable(argv) else argv
+    work = tmp_path / "out"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for name in [k for k in os.environ if k.startswith("OWL_") and k != "OWL_THREADS"]:
+        monkeypatch.delenv(name)
+    for name, value in {"OWL_DEVICE": "cpu", **env}.items():
+        monkeypatch.setenv(name, value)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    try:  # the case's own options come last and win
+        rc = main(["--headless", "--checkpoint", str(TINY), "--frames", "2", "--out", str(work / "x.mp4"), *argv])
+    except SystemExit as exc:  # argparse's refusals
+        rc = exc.code
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc not in (0, None), f"exit status {rc}: {text[-2000:]}"
+    assert "Traceback" not in text, text[-3000:]
+    assert re.search(expected, text), text[-2000:]
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert after == before, f"left behind: {sorted(set(after) - set(before))}"
+
+
+def test_the_hostile_suite_covers_every_input_class():
+    assert len(CASES) >= 60
+
+
+def test_a_full_disk_leaves_no_video_and_says_so(tmp_path, capsys):
+    """A 64 KiB tmpfs: refused at start-up, before any work, naming the free space."""
+    import subprocess
+
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        rc = main(["--headless", "--checkpoint", str(TINY), "--frames", "2", "--out", str(mount / "x.mp4")])
+        text = "".join(capsys.readouterr())
+        assert rc == 2 and re.search(r"only \d+ KiB free in", text) and "Traceback" not in text
+        assert list(mount.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_writer_that_fails_midway_keeps_nothing(tmp_path, monkeypatch):
+    """ffmpeg stopping mid-video (a disk filling up after start-up) leaves no file and says so."""
+    from inference import video
+
+    writer = video.Mp4Writer(tmp_path / "x.mp4", fps=15)
+    writer.write(np.zeros((16, 16, 3), np.uint8))
+
+    class Broken:
+        def send(self, _):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    writer._gen = Broken()
+    with pytest.raises(video.OutputWriteError, match=r"writing '.*x\.mp4' failed after 1 frames .*nothing was kept"):
+        writer.write(np.zeros((16, 16, 3), np.uint8))
+    assert writer.close() is None and list(tmp_path.iterdir()) == []
+
+
+def test_an_unfinished_mp4_is_not_moved_into_place(tmp_path):
+    from inference import video
+
+    writer = video.Mp4Writer(tmp_path / "x.mp4", fps=15)
+    writer.write(np.zeros((16, 16, 3), np.uint8))
+    writer._gen.close()
+    writer._gen = None
+    writer.partial.write_bytes(b"\x00" * 64)  # truncated: no index
+    with pytest.raises(video.OutputWriteError, match="could not finish"):
+        writer.close()
+    assert list(tmp_path.iterdir()) == []
