@@ -382,8 +382,24 @@ class Game:
             "held " + (" ".join(held) or "-"),
         ]
 
+    def fit_lines(self, texts: list[str], width: int) -> list[str]:
+        """Wrap each line at its double-space field breaks so no line is wider than ``width``."""
+        out = []
+        for text in texts:
+            line = ""
+            for field in text.split("  "):
+                wider = f"{line}  {field}" if line else field
+                if line and self.font.size(wider)[0] > width:
+                    out.append(line)
+                    line = field
+                else:
+                    line = wider
+            out.append(line)
+        return out
+
     def draw_overlay(self):
-        lines = [self.font.render(t, True, (240, 240, 240)) for t in self.overlay_lines()]
+        texts = self.fit_lines(self.overlay_lines(), self.screen.get_width() - 16)
+        lines = [self.font.render(t, True, (240, 240, 240)) for t in texts]
         h = sum(s.get_height() for s in lines) + 8
         w = max(s.get_width() for s in lines) + 12
         box = pygame.Surface((w, h), pygame.SRCALPHA)

@@ -244,7 +244,7 @@ class QuantizedStaticCache(CacheUpdates):
         self.tail_only, self.guard = tail_only, guard
         self.device, self.dtype = torch.device(device), dtype
         self.should_update = False
-        self.checksum_log: list[tuple[int, int, float]] = []  # (frame, layer, max |diff|) vs a bf16 shadow
+        self.checksum_log: list[tuple[int, int, float, float]] = []  # (frame, layer, max |diff|, max |K/V|) vs a bf16 shadow
         self.reset(batch_size)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -582,10 +582,23 @@ class QuantizedStaticCache(CacheUpdates):
         """One line once the checksum window is over (None before, or without checksum)."""
         if self.guard < 2 or self.shadow is not None or not self.checksum_log:
             return None
-        frames = {f for f, _, _ in self.checksum_log}
-        worst = max(self.checksum_log, key=lambda r: r[2])
+        frames = {f for f, *_ in self.checksum_log}
+        frame, layer, diff, size = max(self.checksum_log, key=lambda r: r[2] / max(r[3], 1e-30))
+        share = diff / max(size, 1e-30)
+        # Without clipping scales, a value is off by at most its codec's rounding (relative to the
+        # largest |K/V| it is scaled by) plus the bf16 read-out.
+        plans = [*(p.k for p in self.plans), *(p.v for p in self.plans)]
+        codec = max((c for c, _ in plans), key=lambda c: ROUNDING[c])
+        bound = ROUNDING[codec] + ROUNDING["bf16"]
+        if any(policy.clips for c, policy in plans if c != "bf16"):
+            verdict = "scales that clip (percentile, EMA) allow larger errors: no rounding bound to check"
+        elif share <= bound:
+            verdict = f"within {codec}'s rounding (at most {bound:.2%})"
+        else:
+            verdict = f"ABOVE {codec}'s rounding ({bound:.2%}): the cache is corrupted"
         return (f"[owl] ring guard checksum: {len(frames)} frames x {len(self.stores)} layers, max |K/V - bf16 roll| "
-                f"= {worst[2]:.3g} (frame {worst[0]}, layer {worst[1]}); invariants held")
+                f"= {diff:.3g} = {share:.2%} of the largest |K/V| (frame {frame}, layer {layer}): {verdict}; "
+                "invariants held")
 
     def _checksum(self, layer, keys, values, pending, k, v):
         """Compare the assembled window with the bf16 shadow's for the first N frames."""
@@ -608,7 +621,12 @@ class QuantizedStaticCache(CacheUpdates):
             keys, values = keys[:, :, pick], values[:, :, pick]
             ref_k, ref_v = ref[0][:, :, -len(pick):], ref[1][:, :, -len(pick):]
         diff = max((keys.float() - ref_k).abs().max().item(), (values.float() - ref_v).abs().max().item())
-        self.checksum_log.append((frame, layer, diff))
+        size = max(ref_k.abs().max().item(), ref_v.abs().max().item())
+        self.checksum_log.append((frame, layer, diff, size))
+
+
+# The largest error of one stored value, as a share of the value range its scale covers.
+ROUNDING = {"bf16": 2.0**-8, "int8": 1 / 254, "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3, "int4": 1 / 14}
 
 
 @lru_cache(maxsize=256)

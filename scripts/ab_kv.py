@@ -301,7 +301,7 @@ def main(argv=None):
     start.add_argument("--clip", default=None, help="start from a clip (index or path) instead")
     p.add_argument("--actions", default="walk_turn", help="built-in script (idle, forward, turn, walk_turn, random[:seed]) "
                    "or a JSONL action file")
-    p.add_argument("--frames", type=int, default=64)
+    p.add_argument("--frames", type=int, default=None, help="frames per variant (default 64, or the action file's length)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (identical for every variant)")
     p.add_argument("--fps", type=float, default=15.0)
     p.add_argument("--out", default="eval/ab")
@@ -334,13 +334,15 @@ def main(argv=None):
     world_seed = args.world_seed if args.clip is None else None
     if args.clip is None and world_seed is None:
         world_seed = 1_000_200
-    actions = []
-    for item in load_actions(args.actions, args.frames):
-        if not isinstance(item, dict):  # pipeline events in action files do not apply here
-            actions.append([list(map(float, item[0])), list(map(float, item[1]))])
-    actions = actions[:args.frames]
-    if len(actions) < args.frames:
-        raise SystemExit(f"error: --actions {args.actions!r} holds {len(actions)} actions; --frames is {args.frames}")
+    if args.frames is not None and args.frames < 1:
+        raise SystemExit(f"error: --frames {args.frames}: must be >= 1")
+    try:
+        items = load_actions(args.actions, args.frames)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    # pipeline events in action files do not apply here
+    actions = [[list(map(float, m)), list(map(float, b))] for m, b in (x for x in items if not isinstance(x, dict))]
+    args.frames = len(actions)
     clip = int(args.clip) if args.clip is not None and args.clip.isdigit() else args.clip
     spec = {"checkpoint": checkpoint, "world_seed": world_seed, "clip": clip, "actions": actions, "seed": args.seed}
 

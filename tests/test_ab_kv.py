@@ -69,3 +69,13 @@ def test_bad_variant_specs_are_clear_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--variant", "x:FP8=1", "--out", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "not FLAG=VALUE with an OWL_* flag" in r.stderr
+
+
+def test_a_bad_action_file_is_one_line_not_a_traceback(tmp_path):
+    from scripts import ab_kv
+
+    (tmp_path / "a.jsonl").write_text('{"mouse": [0, 0], "buttons": [1, 0]}\n')
+    for actions, message in (("nowhere.jsonl", "is neither a built-in script"), (str(tmp_path / "a.jsonl"),
+                                                                                  "buttons must be 11 values")):
+        with pytest.raises(SystemExit, match=f"error: .*{message}"):
+            ab_kv.main(["--actions", actions, "--out", str(tmp_path / "ab")])

@@ -349,9 +349,10 @@ def test_checksum_guard_compares_with_a_bf16_shadow(storage, exact):
     cfg = tiny_config()
     _, pipe = rollout(cfg, kv(OWL_RING_MODE="inplace", OWL_KV_STORAGE=storage, OWL_RING_GUARD="checksum:4"), 6)
     log = pipe.cache.checksum_log
-    assert log and {layer for _, layer, _ in log} == set(range(cfg.n_layers))
-    worst = max(d for _, _, d in log)
+    assert log and {layer for _, layer, _, _ in log} == set(range(cfg.n_layers))
+    worst = max(d for _, _, d, _ in log)
     assert (worst == 0) if exact else (0 < worst < 0.1)
+    assert f"within {storage}'s rounding" in pipe.cache.guard_report()
 
 
 def test_nbytes_counts_data_and_scales():
@@ -490,10 +491,16 @@ def test_profile_lines_time_quantization_and_attention_only_when_on(capsys):
     assert isinstance(quiet.profiler, NoProfiler) and "attend_out" not in vars(quiet.core.transformer.blocks[0].attn)
 
 
-def test_guard_checksum_report_is_printed_once(capsys):
+def test_guard_checksum_report_gives_a_verdict(capsys):
     cfg = tiny_config()
     _, pipe = rollout(cfg, kv(OWL_KV_STORAGE="int8", OWL_RING_GUARD="checksum:3"), 6)
-    assert pipe.cache.guard_report().startswith("[owl] ring guard checksum: 3 frames x 4 layers")
+    report = pipe.cache.guard_report()
+    assert report.startswith("[owl] ring guard checksum: 3 frames x 4 layers") and "within int8's rounding" in report
+    pipe.cache.checksum_log.append((9, 0, 1.0, 2.0))  # a value off by half the range: corruption
+    assert "ABOVE int8's rounding" in pipe.cache.guard_report()
+    _, clipping = rollout(cfg, kv(OWL_KV_STORAGE="int8", OWL_KV_SCALE="head", OWL_KV_EMA="0.5",
+                                  OWL_RING_GUARD="checksum:3"), 6)
+    assert "no rounding bound to check" in clipping.cache.guard_report()
 
 
 def test_environment_codec_flags_replace_the_config_codec_as_a_group():

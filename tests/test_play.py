@@ -238,3 +238,19 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
                         str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "replay.mp4")],
                        cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and np.array_equal(read_frames(tmp_path / "x.mp4"), read_frames(tmp_path / "replay.mp4"))
+
+
+def test_overlay_lines_wrap_to_the_window_width():
+    """The default 256-pixel window shows every overlay field: long lines wrap at their field breaks."""
+    from types import SimpleNamespace
+
+    import pygame
+
+    from inference.play import Game
+
+    pygame.font.init()
+    font = pygame.font.SysFont("monospace", 14)
+    texts = ["kv static 1.2 MiB  frame 120  epoch 3  bias -1.5  GT replay", "held W A S D"]
+    lines = Game.fit_lines(SimpleNamespace(font=font), texts, 240)
+    assert all(font.size(x)[0] <= 240 for x in lines) and len(lines) > len(texts)
+    assert "  ".join(lines[:-1]).split() == texts[0].split() and lines[-1] == "held W A S D"
