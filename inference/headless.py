@@ -96,6 +96,7 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
     interrupted, error = False, None
     pipe_seconds = 0.0
     shown = []  # the views of each frame, (simulator, model) or (model,): --save-frames and --sheet
+    bar = None
     try:
         with StopOnSigint() as stop:
             pipe = build(args, tp)
@@ -121,13 +122,14 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
                 if frames_path is not None or sheet_path is not None:
                     shown.append(views)
                 bar.update(1)
-            bar.close()
             pipe.close()  # TP: the other ranks stop after a last vote and lifecycle check
     except KeyboardInterrupt:
         interrupted = True
     except Exception as exc:  # the video of the frames so far is still finalised and reported
         error = exc
     finally:
+        if bar is not None:
+            bar.close()  # messages after it start on a line of their own
         path = writer.close()
         if frames_path is not None and shown:
             save_frames(frames_path, [views[-1] for views in shown])
