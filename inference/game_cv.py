@@ -27,8 +27,7 @@ from .video import OutputPathError, OutputWriteError
 
 MAX_FRAMES = 100_000  # about 2 hours at 15 FPS; the action list is built up front
 USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, OutputWriteError, FileNotFoundError,
-               ValueError, TPError,
-               LifecycleError)
+               ValueError, TPError, LifecycleError)
 
 
 def parse_args(argv=None):
