@@ -75,7 +75,7 @@ def parse_action(obj, where: str):
     is refused with ``where`` (file:line) and what was expected."""
     if isinstance(obj, dict) and "event" in obj:
         name = obj["event"]
-        if name not in EVENTS or set(obj) - {"event", *EVENTS[name]} or set(EVENTS[name]) - set(obj):
+        if not isinstance(name, str) or name not in EVENTS or set(obj) - {"event", *EVENTS[name]} or set(EVENTS[name]) - set(obj):
             raise ValueError(f"{where}: unknown or malformed event {shorten(obj)}; events: "
                              + ", ".join(f"{k}({', '.join(v)})" for k, v in EVENTS.items()))
         for field in EVENTS[name]:
@@ -86,8 +86,8 @@ def parse_action(obj, where: str):
     if not isinstance(obj, dict) or "mouse" not in obj or "buttons" not in obj:
         raise ValueError(f"{where}: expected {{\"mouse\": [dx, dy], \"buttons\": [11 ints]}}, got {shorten(obj)}")
     mouse, buttons = obj["mouse"], obj["buttons"]
-    if not isinstance(mouse, list) or len(mouse) != 2 or not all(_number(v) and abs(v) <= 1e4 for v in mouse):
-        raise ValueError(f"{where}: mouse must be 2 finite numbers of at most 1e4 in size, got {shorten(mouse)}")
+    if not isinstance(mouse, list) or len(mouse) != 2 or not all(_number(v) for v in mouse):
+        raise ValueError(f"{where}: mouse must be 2 finite numbers, got {shorten(mouse)}")
     if (not isinstance(buttons, list) or len(buttons) != len(BUTTONS)
             or not all(_whole(v) and v in (0, 1) for v in buttons)):
         raise ValueError(f"{where}: buttons must be {len(BUTTONS)} values of 0/1 "
@@ -101,6 +101,9 @@ def is_event(item) -> bool:
 
 def read_action_file(path: str | Path) -> list:
     path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"action file {str(path)!r} " + ("is a folder" if path.is_dir() else "does not exist")
+                         + "; give a JSON-lines file (--save-actions writes one)")
     try:
         text = path.read_text()
     except UnicodeDecodeError:
@@ -113,6 +116,8 @@ def read_action_file(path: str | Path) -> list:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{i}: JSON nested too deeply for an action") from None
         items.append(parse_action(obj, f"{path}:{i}"))
     if not any(not is_event(x) for x in items):
         raise ValueError(f"action file {str(path)!r} holds no frames")

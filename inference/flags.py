@@ -68,8 +68,9 @@ def with_threads(settings: Settings, ranks: int = 1) -> Settings:
     processes; torch then uses that many (set once, here at the edge)."""
     import torch
 
-    if settings.threads == 0:
-        settings = settings.replace(threads=max(1, physical_cores() // ranks))
+    if settings.threads == 0:  # OMP_NUM_THREADS, where set (torchrun sets it), is torch's choice already
+        auto = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else physical_cores() // ranks
+        settings = settings.replace(threads=max(1, auto))
     torch.set_num_threads(settings.threads)
     return settings
 

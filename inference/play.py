@@ -228,9 +228,12 @@ class PlayOptions:
         if not record_dir.is_dir():
             raise OutputPathError(f"--record-dir {str(record_dir)!r} does not exist; create it or choose another")
         if args.record:
-            check_output_path(args.record)
+            check_output_path(args.record, flag="--record")
         if args.save_actions:
-            check_output_path(args.save_actions, suffix=Path(args.save_actions).suffix or ".jsonl")
+            check_output_path(args.save_actions, suffix=Path(args.save_actions).suffix or ".jsonl", flag="--save-actions")
+        if args.replay and not Path(args.replay).is_file():
+            raise ValueError(f"--replay {args.replay!r} is not an action file; give a JSON-lines file "
+                             "(--save-actions writes one)")
         return cls(scale=args.scale, smooth=args.smooth, target_fps=args.target_fps, video_fps=args.fps,
                    sensitivity=args.sensitivity, overlay=not args.no_overlay,
                    record=Path(args.record) if args.record else None, record_dir=record_dir,
@@ -306,7 +309,7 @@ class Game:
             self.clip_index = (self.clip_index + 1) % n
             w.commands.put({"event": "clip", "clip": self.clip_index})
         elif name == "new_level":
-            self.world_seed = (self.world_seed if self.world_seed is not None else -1) + 1
+            self.world_seed = ((self.world_seed if self.world_seed is not None else -1) + 1) % 2**31
             w.commands.put({"event": "world_seed", "seed": self.world_seed})
         elif name == "grab":
             self.set_grab(not self.controls.grabbed)
@@ -322,11 +325,11 @@ class Game:
     # -- output --------------------------------------------------------------------------------
     def toggle_recording(self, path: Path | None = None):
         if self.writer is not None:
-            self.recordings.append((self.writer.path, self.writer.close()))
-            self.writer = None
+            writer, self.writer = self.writer, None  # cleared first: a failed close is not retried
+            self.recordings.append((writer.path, writer.close()))
             return
         path = path or self.opt.record_dir / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
-        self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale)
+        self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale, flag="--record")
 
     def log(self, item):
         if self.actions_file is not None:

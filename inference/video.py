@@ -44,8 +44,8 @@ class Mp4Writer:
     """``with Mp4Writer(path, fps) as w: w.write(frame_uint8_hwc)``; ``path`` appears only when
     closed, holding every frame written (none written: no file)."""
 
-    def __init__(self, path: str | Path, fps: float = 30.0, scale: int = 1):
-        self.path = check_output_path(path)
+    def __init__(self, path: str | Path, fps: float = 30.0, scale: int = 1, flag: str = "--out"):
+        self.path = check_output_path(path, flag=flag)
         self.partial = self.path.with_name(f".{self.path.stem}.partial.mp4")
         self.fps, self.scale = fps, scale
         self.frames, self.failed = 0, False
@@ -123,13 +123,28 @@ def write_atomically(path: Path, write) -> Path:
 
 
 def finished_mp4(path: Path) -> bool:
-    """The file is a whole mp4: ffmpeg wrote its index (the ``moov`` box) after the frames."""
-    import mmap
-
+    """The file is a whole mp4: its top-level boxes (4-byte size, 4-byte type) tile the file
+    exactly, and one of them is the index (``moov``) that ffmpeg writes after the frames."""
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return m.find(b"moov") >= 0
-    except (OSError, ValueError):  # missing or empty
+        size = path.stat().st_size
+        seen, at = set(), 0
+        with open(path, "rb") as f:
+            while at < size:
+                f.seek(at)
+                head = f.read(16)
+                if len(head) < 8:
+                    return False
+                length, kind = int.from_bytes(head[:4], "big"), head[4:8]
+                if length == 1:  # a 64-bit size follows
+                    length = int.from_bytes(head[8:16], "big")
+                elif length == 0:  # to the end of the file
+                    length = size - at
+                if length < 8 or at + length > size:
+                    return False
+                seen.add(kind)
+                at += length
+        return b"moov" in seen
+    except OSError:
         return False
 
 
@@ -150,11 +165,15 @@ class StopOnSigint:
     SIGTERM and SIGHUP are treated the same way (torchrun turns a Ctrl-C into SIGTERM for its
     workers; a closed terminal sends SIGHUP)."""
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
     def __enter__(self):
         self.requested = False
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        self._previous_term = signal.signal(signal.SIGTERM, self._handle)
-        self._previous_hup = signal.signal(signal.SIGHUP, self._handle)  # a closed terminal
+        # A signal the caller ignores (nohup: SIGHUP; a background job: SIGINT) stays ignored.
+        self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        for s, before in self._previous.items():
+            if before is not signal.SIG_IGN:
+                signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame):
@@ -163,6 +182,5 @@ class StopOnSigint:
         self.requested = True
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self._previous)
-        signal.signal(signal.SIGTERM, self._previous_term)
-        signal.signal(signal.SIGHUP, self._previous_hup)
+        for s, before in self._previous.items():
+            signal.signal(s, before if before is not None else signal.SIG_DFL)

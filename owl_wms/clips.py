@@ -55,11 +55,18 @@ class Clip:
 
 def load_clip(path: str | Path, channels: int, sample_size: int) -> Clip:
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"clip {str(path)!r} is a folder; give a clip .safetensors file or a clip index")
     if not path.is_file():
-        raise FileNotFoundError(f"clip file {str(path)!r} does not exist")
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        raise FileNotFoundError(f"clip file {str(path)!r} does not exist; give a clip .safetensors file or a "
+                                "clip index (0, 1, ...)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"clip {str(path)!r} is not a readable safetensors file ({str(exc)[:120]}); a clip holds "
+                         "latents, mouse and buttons") from None
     missing = {"latents", "mouse", "buttons"} - tensors.keys()
     if missing or "history_frames" not in meta:
         raise ValueError(f"clip {str(path)!r} lacks {sorted(missing) or 'metadata history_frames'}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .controls import MOUSE_AXES, N_BUTTONS
 
@@ -236,6 +237,13 @@ def _whole(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _flag(section: dict, key: str, name: str, path) -> bool:
+    value = section.get(key, True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: {name}.{key}={value!r} must be true or false")
+    return value
+
+
 def _section(raw, name: str, path) -> dict:
     """A config section as a plain dict (empty when absent), refused unless it is a mapping."""
     section = raw.get(name)
@@ -255,13 +263,25 @@ def load_config(path: str | Path) -> WorldConfig:
         raw = OmegaConf.load(path)
     except Exception as exc:  # omegaconf raises several yaml/parse error types
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
-    if "model" not in raw:
+    if not isinstance(raw, DictConfig) or "model" not in raw:
         raise ConfigError(f"config file {str(path)!r} has no 'model:' section")
+    try:
+        return _parse_world(raw, path)
+    except OmegaConfBaseException as exc:  # a bad interpolation, a key of the wrong kind
+        raise ConfigError(f"config file {str(path)!r}: {str(exc).splitlines()[0]}") from None
+
+
+def _parse_world(raw: DictConfig, path: Path) -> WorldConfig:
+    if not isinstance(raw.model, DictConfig):
+        raise ConfigError(f"{path}: the model: section must be a mapping of keys to values, got {raw.model!r}")
     model = ModelConfig.from_mapping(raw.model, source=str(path))
-    train = raw.get("train") or {}
-    vae_scale = train.get("vae_scale", 1.0)
+    given = _section(raw, "train", path).get("vae_scale", 1.0)
+    try:  # a number, or a number written as text
+        vae_scale = float(given) if not isinstance(given, bool) else given
+    except (TypeError, ValueError):
+        vae_scale = given
     if not _number(vae_scale) or not vae_scale > 0:
-        raise ConfigError(f"{path}: train.vae_scale={vae_scale!r} must be a positive number (latents are divided "
+        raise ConfigError(f"{path}: train.vae_scale={given!r} must be a positive number (latents are divided "
                           "by it; the encoder's measured scale, 1.0 if unknown)")
     pipe = _section(raw, "pipeline", path)
     unknown = set(pipe) - {f.name for f in dataclasses.fields(PipelineConfig)}
@@ -290,14 +310,12 @@ def load_config(path: str | Path) -> WorldConfig:
     if not isinstance(dec.get("class", ""), str) or not isinstance(dec.get("path", ""), (str, type(None))):
         raise ConfigError(f"{path}: decoder.class and decoder.path must be names, got {dec!r}")
     decoder = DecoderConfig(cls=dec.get("class", "AutoencoderTiny"), path=dec.get("path"),
-                            trained=bool(dec.get("trained", True)))
-    inference = OmegaConf.to_container(raw.get("inference") or OmegaConf.create({}), resolve=True)
-    meta = raw.get("world") or {}
-    controls = OmegaConf.to_container(raw.get("controls") or OmegaConf.create({}), resolve=True)
+                            trained=_flag(dec, "trained", "decoder", path))
+    inference, meta, controls = (_section(raw, name, path) for name in ("inference", "world", "controls"))
     simulator = parse_simulator(raw.get("simulator"), str(path))
     return WorldConfig(model=model, vae_scale=vae_scale, pipeline=pipeline, decoder=decoder,
                        inference=inference, controls=controls, simulator=simulator,
-                       name=str(meta.get("name", path.parent.name)), trained=bool(meta.get("trained", True)), path=path)
+                       name=str(meta.get("name", path.parent.name)), trained=_flag(meta, "trained", "world", path), path=path)
 
 
 def parse_simulator(section: Any, source: str) -> dict:

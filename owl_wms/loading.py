@@ -59,6 +59,9 @@ class Weights:
 
 def _read_file(path: Path):
     index = shard_index(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint file {str(path)!r} is a folder; pass the weights file in it, e.g. "
+                              f"{str(path / 'model.safetensors')!r}")
     if not path.is_file() and index is None:
         raise CheckpointError(f"checkpoint file {str(path)!r} does not exist (nor a sharded "
                               f"{path.name}.index.json beside it); pass the path of a .safetensors, its "
@@ -223,7 +226,7 @@ def load_weights(model: GameRFT, state: dict[str, torch.Tensor], source: str = "
             lines.append(f"  shape mismatch {k}: expected {list(e)}, got {list(g)}")
         lines.append("  fix: pass the config the checkpoint was trained with")
         raise CheckpointError("\n".join(lines))
-    broken = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    broken = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()]
     if broken:
         raise CheckpointError(f"checkpoint {source} holds non-finite weights (NaN or inf) in {len(broken)} tensors, "
                               f"e.g. {broken[:3]}; it would render garbage: use an earlier checkpoint of the run")

@@ -239,7 +239,8 @@ class ParallelContext:
 
 def digest(settings, world, weights: str) -> dict:
     """What every rank must agree on, as comparable strings."""
-    s = {f.name: str(getattr(settings, f.name)) for f in dataclasses.fields(settings)}
+    # Thread counts may differ by rank (each machine's cores) without changing the numbers.
+    s = {f.name: str(getattr(settings, f.name)) for f in dataclasses.fields(settings) if f.name != "threads"}
     return {**{f"settings.{k}": v for k, v in s.items()},
             "model": json.dumps(dataclasses.asdict(world.model), sort_keys=True),
             "pipeline": json.dumps(dataclasses.asdict(world.pipeline), sort_keys=True, default=str),

@@ -41,13 +41,13 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
-def _int(minimum: int) -> Callable[[str], int]:
+def _int(minimum: int, maximum: int = 2**63 - 1) -> Callable[[str], int]:
     def parse(text: str) -> int:
         v = int(str(text).strip())
-        if v < minimum:
+        if not minimum <= v <= maximum:
             raise ValueError
         return v
-    parse.accepted = f"an integer >= {minimum}"
+    parse.accepted = f"an integer >= {minimum}" if maximum == 2**63 - 1 else f"an integer in [{minimum}, {maximum}]"
     return parse
 
 
@@ -111,7 +111,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("device", _device, "auto", "where the model runs (auto: cuda if available)"),
     Option("dtype", _choice(*_DTYPES), "bf16", "model and cache dtype"),
     Option("seed", _int(0), 0, "seed of the noise generator"),
-    Option("threads", _int(0), 0, "CPU threads for torch (0: the machine's physical cores, shared by TP ranks)"),
+    Option("threads", _int(0, 1024), 0, "CPU threads for torch (0: the machine's physical cores, shared by TP ranks)"),
     Option("compile", _bool, False, "torch.compile the model and the KV codecs' kernels"),
     Option("attn_backend", _choice("auto", "sdpa", "flex"), "auto",
          "attention backend (auto: flex on GPU, sdpa on CPU)"),

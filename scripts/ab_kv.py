@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inference.flags import flag_message, resolve_settings
+from inference.flags import flag_message, resolve_settings, with_threads
 from scripts.common import PRESETS, REPO, load_presets, machine, preset_env
 
 DEFAULT_VARIANTS = ["fp8_kv", "fp8_v_only", "int8_kv", "int4_v_only", "sharing", "ring_inplace"]
@@ -91,7 +91,7 @@ def worker(spec_path: Path):
 
         cfg_path = Path(spec["checkpoint"]) / "config.yaml"
         # The variant's OWL_* flags alone choose the cache plan (not the config's default plan).
-        settings = resolve_settings(without_kv(load_config(cfg_path).inference))
+        settings = with_threads(resolve_settings(without_kv(load_config(cfg_path).inference)))
         settings = settings.replace(profile_kv=True, profile_kv_first=0, profile_kv_every=10**9)
         pipe = CausvidPipeline.from_checkpoint(spec["checkpoint"], settings=settings, clip=None, verbose=False)
         if spec.get("world_seed") is not None:

@@ -61,12 +61,12 @@ def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool
 
     from inference.actions import load_actions
     from inference.causvid_pipeline import CausvidPipeline
-    from inference.flags import resolve_settings
+    from inference.flags import resolve_settings, with_threads
 
     rows = []
     actions = load_actions("walk_turn", frames + warmup)
     for name, env in modes.items():
-        settings = resolve_settings({}, {**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"})
+        settings = with_threads(resolve_settings({}, {**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"}))
         pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
         times, graphs = [], 0
         for i in range(frames + warmup):

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
-from inference.flags import checkpoint_settings
+from inference.flags import checkpoint_settings, with_threads
 from owl_wms.maze.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.maze.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
                                  simulator_responses, standard_error, teacher_forced, turn_following,
@@ -80,7 +80,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pipe = CausvidPipeline.from_checkpoint(args.checkpoint, ckpt_path=args.weights, clip=None,
-                                           settings=checkpoint_settings(args.checkpoint))
+                                           settings=with_threads(checkpoint_settings(args.checkpoint)))
     if args.schedule:
         pipe.schedule = tuple(args.schedule)
     pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from inference.causvid_pipeline import CausvidPipeline
-from inference.flags import checkpoint_settings, resolve_settings
+from inference.flags import checkpoint_settings, resolve_settings, with_threads
 from owl_wms.maze.data import HELD_OUT_SEED
 from owl_wms.maze.evaluation import Episode, frame_metrics
 from owl_wms.settings import without_kv
@@ -68,7 +68,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
 
     base = CausvidPipeline.from_checkpoint(args.checkpoint, clip=None, verbose=False,
-                                           settings=checkpoint_settings(args.checkpoint))
+                                           settings=with_threads(checkpoint_settings(args.checkpoint)))
     n_layers = base.cfg.n_layers
     seed = HELD_OUT_SEED + args.seed_offset
     ep = Episode(base, seed, args.frames)

@@ -149,6 +149,20 @@ CASES = {
     "config-simulator-typo": (lambda t: ["--checkpoint", str(tiny_copy(t, lambda s: s + "simulator:\n  corrdor: 2\n"))], {},
                               r"unknown simulator keys \['corrdor'\]"),
     "clip-out-of-range": (["--clip", "99"], {}, r"clip 99 does not exist: world '.*' has \d+ clips"),
+    "clip-folder": (lambda t: ["--clip", str(t)], {}, r"clip '.*in' is a folder; give a clip \.safetensors file"),
+    "clip-garbage": (lambda t: [(t / "c.safetensors").write_bytes(b"\x00" * 64), "--clip", str(t / "c.safetensors")][1:], {},
+                     r"clip '.*c\.safetensors' is not a readable safetensors file"),
+    "ckpt-folder": (lambda t: ["--ckpt", str(t)], {}, r"checkpoint file '.*in' is a folder; pass the weights file in it"),
+    "config-section-not-mapping": (lambda t: ["--checkpoint", str(tiny_copy(t, lambda s: s + "controls: 5\n"))], {},
+                                   r"the controls: section must be a mapping"),
+    "config-interpolation": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"vae_scale: .*", "vae_scale: ${nope}")))], {},
+                             r"config file '.*config\.yaml': Interpolation key 'nope' not found"),
+    "config-flag-text": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"^  trained: false$", "  trained: 'no'")))],
+                         {}, r"decoder\.trained='no' must be true or false"),
+    "actions-event-list": (action_file(FRAME, '{"event": [1]}'), {}, r"a\.jsonl:2: unknown or malformed event"),
+    "actions-deep-json": (action_file("[" * 100000 + "]" * 100000), {}, r"a\.jsonl:1: JSON nested too deeply"),
+    "actions-folder": (lambda t: ["--actions", str(t)], {}, r"is neither a built-in script"),
+    "env-threads-huge": ([], {"OWL_THREADS": "100000000"}, r"OWL_THREADS='100000000' is malformed; accepted values: an integer in \[0, 1024\]"),
     "clip-missing-file": (["--clip", "nowhere.safetensors"], {}, r"nowhere\.safetensors"),
 }
 
@@ -232,3 +246,48 @@ def test_an_unfinished_mp4_is_not_moved_into_place(tmp_path):
     with pytest.raises(video.OutputWriteError, match="could not finish"):
         writer.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ignored_signals_stay_ignored_and_the_others_finish_the_video():
+    """nohup's ignored SIGHUP must not stop a run; an unignored SIGHUP or SIGTERM asks for a stop."""
+    import signal
+
+    from inference.video import StopOnSigint
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopOnSigint() as stop:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.requested
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with StopOnSigint() as stop:
+            signal.raise_signal(signal.SIGHUP)
+            assert stop.requested
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_what_the_app_writes_it_reads_back():
+    """Recorded actions round-trip: fast mouse moves, every event kind, a level seed near the top."""
+    from inference.actions import parse_action
+
+    items = [([12000.0, -3.5], [1] + [0] * 10), {"event": "world_seed", "seed": 2**31 - 1},
+             {"event": "bias", "value": -0.5}, {"event": "ground_truth", "on": True}, {"event": "clip", "clip": 2}]
+    for item in items:
+        obj = json.loads(json.dumps(item if isinstance(item, dict) else {"mouse": item[0], "buttons": item[1]}))
+        assert parse_action(obj, "x") == (item if isinstance(item, dict) else (list(item[0]), list(item[1])))
+
+
+def test_fp8_weights_load_and_thread_counts_stay_out_of_the_rank_agreement(tmp_path):
+    from owl_wms.config import load_config
+    from owl_wms.loading import build_model, load_weights
+    from owl_wms.parallel import digest
+    from owl_wms.settings import Settings
+
+    world = load_config(TINY / "config.yaml")
+    state = {k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v
+             for k, v in load_file(str(TINY / "model.safetensors")).items()}
+    load_weights(build_model(world.model), state, "fp8 copy")  # isfinite has no fp8 kernel: checked in fp32
+    assert digest(Settings(threads=1), world, "w") == digest(Settings(threads=8), world, "w")

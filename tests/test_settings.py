@@ -73,9 +73,10 @@ def test_the_library_names_its_parameters_and_the_apps_respell_them_as_flags():
         resolve_settings({}, environ={"OWL_DEVICE": "tpu"})
 
 
-def test_threads_default_to_the_physical_cores_shared_by_ranks_and_show_in_the_start_up_line():
+def test_threads_default_to_the_physical_cores_shared_by_ranks_and_show_in_the_start_up_line(monkeypatch):
     from inference.flags import physical_cores, with_threads
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     try:
         s = with_threads(resolve_settings({}, environ={}), ranks=2)
@@ -90,3 +91,15 @@ def test_an_empty_flag_is_ignored_with_a_warning_not_read_as_off():
     with pytest.warns(UserWarning, match="OWL_FP8_KV is set but empty and is ignored"):
         s = resolve_settings({"kv_storage": "int8"}, environ={"OWL_FP8_KV": ""})
     assert s.kv.fmt_k == "int8"  # the config's plan stands
+
+
+def test_omp_num_threads_is_respected_when_owl_threads_is_unset(monkeypatch):
+    from inference.flags import with_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert with_threads(resolve_settings({}, environ={}), ranks=1).threads == 1
+    finally:
+        torch.set_num_threads(before)
