@@ -169,10 +169,11 @@ class StopOnSigint:
 
     def __enter__(self):
         self.requested = False
-        # A signal the caller ignores (nohup: SIGHUP; a background job: SIGINT) stays ignored.
+        # A SIGHUP the caller ignores (nohup) stays ignored. SIGINT is always ours: a Ctrl-C sent
+        # to the process group must finish the video even where a shell started it in the background.
         self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
         for s, before in self._previous.items():
-            if before is not signal.SIG_IGN:
+            if s != signal.SIGHUP or before is not signal.SIG_IGN:
                 signal.signal(s, self._handle)
         return self
 

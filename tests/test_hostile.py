@@ -249,7 +249,7 @@ def test_an_unfinished_mp4_is_not_moved_into_place(tmp_path):
 
 
 def test_ignored_signals_stay_ignored_and_the_others_finish_the_video():
-    """nohup's ignored SIGHUP must not stop a run; an unignored SIGHUP or SIGTERM asks for a stop."""
+    """nohup's ignored SIGHUP must not stop a run; SIGINT, SIGTERM and an unignored SIGHUP ask for a stop."""
     import signal
 
     from inference.video import StopOnSigint
@@ -265,6 +265,13 @@ def test_ignored_signals_stay_ignored_and_the_others_finish_the_video():
         with StopOnSigint() as stop:
             signal.raise_signal(signal.SIGHUP)
             assert stop.requested
+        before_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell leaves a background job
+        try:
+            with StopOnSigint() as stop:
+                signal.raise_signal(signal.SIGINT)  # a Ctrl-C sent to the process group still finishes the video
+                assert stop.requested
+        finally:
+            signal.signal(signal.SIGINT, before_int)
     finally:
         signal.signal(signal.SIGHUP, before)
 
