@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from owl_wms.config import is_number, is_whole
 from owl_wms.controls import BUTTONS
 from owl_wms.maze.worlds import load_level
 
@@ -55,19 +56,11 @@ def shorten(obj, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit - 15] + f"... ({len(text)} chars)"
 
 
-def _whole(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
-
-
 # event field -> (check, what it must be)
-FIELDS = {"clip": (lambda v: _whole(v) and v >= 0, "a clip index, a whole number >= 0"),
-          "seed": (lambda v: _whole(v) and 0 <= v < 2**31, "a simulator level, a whole number in [0, 2^31)"),
+FIELDS = {"clip": (lambda v: is_whole(v) and v >= 0, "a clip index, a whole number >= 0"),
+          "seed": (lambda v: is_whole(v) and 0 <= v < 2**31, "a simulator level, a whole number in [0, 2^31)"),
           "on": (lambda v: isinstance(v, bool), "true or false"),
-          "value": (lambda v: _number(v) and -100 <= v <= 100, "a number in [-100, 100]")}
+          "value": (lambda v: is_number(v) and -100 <= v <= 100, "a number in [-100, 100]")}
 
 
 def parse_action(obj, where: str):
@@ -86,10 +79,10 @@ def parse_action(obj, where: str):
     if not isinstance(obj, dict) or "mouse" not in obj or "buttons" not in obj:
         raise ValueError(f"{where}: expected {{\"mouse\": [dx, dy], \"buttons\": [11 ints]}}, got {shorten(obj)}")
     mouse, buttons = obj["mouse"], obj["buttons"]
-    if not isinstance(mouse, list) or len(mouse) != 2 or not all(_number(v) for v in mouse):
+    if not isinstance(mouse, list) or len(mouse) != 2 or not all(is_number(v) for v in mouse):
         raise ValueError(f"{where}: mouse must be 2 finite numbers, got {shorten(mouse)}")
     if (not isinstance(buttons, list) or len(buttons) != len(BUTTONS)
-            or not all(_whole(v) and v in (0, 1) for v in buttons)):
+            or not all(is_whole(v) and v in (0, 1) for v in buttons)):
         raise ValueError(f"{where}: buttons must be {len(BUTTONS)} values of 0/1 "
                          f"({' '.join(BUTTONS)}), got {shorten(buttons)}")
     return [float(v) for v in mouse], [int(v) for v in buttons]

@@ -92,9 +92,8 @@ def run_settings(args) -> Settings:
     return settings.replace(seed=args.seed) if args.seed is not None else settings
 
 
-def build_pipeline(args, tp: ParallelContext | None = None) -> CausvidPipeline:
+def build_pipeline(args, settings: Settings, tp: ParallelContext | None = None) -> CausvidPipeline:
     """The pipeline with its first history; TP ranks other than 0 get theirs from rank 0."""
-    settings = run_settings(args)
     if tp is None or tp.is_leader:  # start-up takes seconds: say so at once
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
@@ -110,33 +109,35 @@ def build_pipeline(args, tp: ParallelContext | None = None) -> CausvidPipeline:
     return pipe
 
 
-def launch_tp(args) -> ParallelContext | None:
+def launch_tp(args, settings: Settings) -> ParallelContext | None:
     if args.tp == 1:
         return None
-    settings = run_settings(args)
     return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every)
 
 
-def run_play(args) -> int:
+def run_play(args, settings: Settings) -> int:
     from .play import Game, PlayOptions, no_display_message  # pygame loads only for the window
 
     if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER")):
         print(no_display_message(), file=sys.stderr)
         return 2
     options = PlayOptions.from_args(args)  # output paths are checked here, before the model loads
-    return Game(lambda: build_pipeline(args), options).run()
+    return Game(lambda: build_pipeline(args, settings), options).run()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     tp = None
     try:
-        tp = launch_tp(args)
+        settings = run_settings(args)  # once: the config is read and the threads set here
+        tp = launch_tp(args, settings)
         if tp is not None and not args.headless:
             raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
         if args.beside_simulator and not args.headless:
             raise ValueError("--beside-simulator renders to the video only; add --headless")
-        return run_headless(args, build_pipeline, tp) if args.headless else run_play(args)
+        if not args.headless:
+            return run_play(args, settings)
+        return run_headless(args, lambda args, tp: build_pipeline(args, settings, tp), tp)
     except USER_ERRORS as exc:
         if tp is not None:
             tp.fail(exc, flag_message(exc))

@@ -229,11 +229,16 @@ class WorldConfig:
         return p
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def is_number(v) -> bool:
+    """A finite int or float (not a bool)."""
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
-def _whole(v) -> bool:
+def is_whole(v) -> bool:
+    """An int (not a bool)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -280,7 +285,7 @@ def _parse_world(raw: DictConfig, path: Path) -> WorldConfig:
         vae_scale = float(given) if not isinstance(given, bool) else given
     except (TypeError, ValueError):
         vae_scale = given
-    if not _number(vae_scale) or not vae_scale > 0:
+    if not is_number(vae_scale) or not vae_scale > 0:
         raise ConfigError(f"{path}: train.vae_scale={given!r} must be a positive number (latents are divided "
                           "by it; the encoder's measured scale, 1.0 if unknown)")
     pipe = _section(raw, "pipeline", path)
@@ -289,14 +294,14 @@ def _parse_world(raw: DictConfig, path: Path) -> WorldConfig:
         raise ConfigError(f"{path}: unknown pipeline keys {sorted(unknown)}; "
                           f"known: {[f.name for f in dataclasses.fields(PipelineConfig)]}")
     window = pipe.get("window_frames", PipelineConfig.window_frames)
-    if not _whole(window) or not 2 <= window <= 10_000:
+    if not is_whole(window) or not 2 <= window <= 10_000:
         raise ConfigError(f"{path}: pipeline.window_frames={window!r} must be a whole number in [2, 10000]")
     alpha = pipe.get("history_alpha", PipelineConfig.history_alpha)
-    if not _number(alpha) or not 0 <= alpha < 1:
+    if not is_number(alpha) or not 0 <= alpha < 1:
         raise ConfigError(f"{path}: pipeline.history_alpha={alpha!r} must be a number in [0, 1)")
     if "schedule" in pipe:
         sched = pipe["schedule"]
-        if not isinstance(sched, list) or not all(_number(x) for x in sched):
+        if not isinstance(sched, list) or not all(is_number(x) for x in sched):
             raise ConfigError(f"{path}: pipeline.schedule={sched!r} must be a list of numbers, e.g. [1.0, 0.25, 0.0]")
         pipe["schedule"] = tuple(float(x) for x in sched)
     if not isinstance(pipe.get("clips", ""), (str, type(None))):
