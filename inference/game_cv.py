@@ -12,18 +12,25 @@ import os
 import sys
 from pathlib import Path
 
-from owl_wms.clips import load_clip
-from owl_wms.config import ConfigError
-from owl_wms.engine import CausvidPipeline, LifecycleError
-from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError
-from owl_wms.maze.worlds import check_simulator, load_level
-from owl_wms.parallel import ParallelContext, TPError, is_collective_error
-from owl_wms.settings import Settings, SettingsError
+if __name__ == "__main__":  # first of all, before torch loads (seconds): say so; a Ctrl-C now ends quietly
+    from inference.signals import quit_during_startup
 
-from .actions import BUILTIN
-from .flags import checkpoint_settings, flag_message, with_threads
-from .headless import run_headless
-from .video import OutputPathError, OutputWriteError
+    quit_during_startup()
+    if not {"-h", "--help"} & set(sys.argv):
+        print("[owl] starting ...", flush=True)
+
+from owl_wms.clips import load_clip  # noqa: E402
+from owl_wms.config import ConfigError  # noqa: E402
+from owl_wms.engine import CausvidPipeline, LifecycleError  # noqa: E402
+from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError  # noqa: E402
+from owl_wms.maze.worlds import check_simulator, load_level  # noqa: E402
+from owl_wms.parallel import ParallelContext, TPError, is_collective_error  # noqa: E402
+from owl_wms.settings import Settings, SettingsError  # noqa: E402
+
+from .actions import BUILTIN  # noqa: E402
+from .flags import checkpoint_settings, flag_message, with_threads  # noqa: E402
+from .headless import run_headless  # noqa: E402
+from .video import OutputPathError, OutputWriteError  # noqa: E402
 
 MAX_FRAMES = 100_000  # about 2 hours at 15 FPS; the action list is built up front
 USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, OutputWriteError, FileNotFoundError,

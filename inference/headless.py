@@ -10,7 +10,10 @@ from owl_wms.engine import CausvidPipeline
 from owl_wms.parallel import ParallelContext
 
 from .actions import apply_event, is_event, load_actions
-from .video import Mp4Writer, StopOnSigint, check_output_path, flat_frame_warning, write_atomically
+from .signals import StopOnSigint, end_startup
+from .video import Mp4Writer, check_output_path, flat_frame_warning, mp4_bytes, require_space, write_atomically
+
+SHEET_PER_ROW = 16  # frames in a row of --sheet
 
 
 def save_frames(path: Path, frames: list):
@@ -20,7 +23,7 @@ def save_frames(path: Path, frames: list):
     write_atomically(path, lambda tmp: np.save(tmp, np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)))
 
 
-def save_sheet(path: Path, shown: list, every: int, per_row: int = 16):
+def save_sheet(path: Path, shown: list, every: int, per_row: int = SHEET_PER_ROW):
     """A contact sheet of the video's frames (each a tuple of views: (simulator, model) or
     (model,)), ``per_row`` picked frames to a row, written atomically."""
     import matplotlib
@@ -78,6 +81,20 @@ class SimulatorBeside:
         return np.concatenate([real, gap, model_frame], axis=1)
 
 
+def output_estimates(args, frame_shape: tuple[int, int], frames: int, beside: bool) -> list[tuple[str, Path, int]]:
+    """(flag, path, estimated bytes) of each output of a rollout of ``frames`` frames."""
+    h, w = frame_shape
+    views = 2 if beside else 1
+    width = views * w + (SimulatorBeside.GAP if beside else 0)
+    out = [("--out", Path(args.out), mp4_bytes(frames, h * args.scale, width * args.scale))]
+    if args.save_frames:
+        out.append(("--save-frames", Path(args.save_frames), frames * h * w * 3 + 128))
+    if args.sheet:  # a PNG is at most its raw pixels: rows of 16 picked frames, a view above the other
+        rows = -(-frames // (args.sheet_every * SHEET_PER_ROW))
+        out.append(("--sheet", Path(args.sheet), rows * (views * h + 2) * SHEET_PER_ROW * w * 3 + 4096))
+    return out
+
+
 def run_headless(args, build, tp: ParallelContext | None = None) -> int:
     """Render ``args.actions`` to ``args.out`` with the pipeline ``build(args, tp)`` makes; returns
     the exit code (130 when interrupted). The video of the frames so far is always finalised."""
@@ -87,7 +104,9 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
-        build(args, tp).tp.follow()
+        pipe = build(args, tp)
+        end_startup()
+        pipe.tp.follow()
         return 0
     items = load_actions(args.actions, args.frames, seed=args.seed or 0)
     frames_path = check_output_path(args.save_frames, suffix=".npy", flag="--save-frames") if args.save_frames else None
@@ -98,10 +117,11 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
     shown = []  # the views of each frame, (simulator, model) or (model,): --save-frames and --sheet
     bar = None
     try:
+        pipe = build(args, tp)  # a Ctrl-C while it loads ends the run at once: nothing is written yet
+        pipe.log = tqdm.write  # diagnostics above the progress bar, never on its line
+        beside = SimulatorBeside(pipe) if args.beside_simulator else None
+        require_space(output_estimates(args, pipe.frame_shape, len(items), beside is not None))
         with StopOnSigint() as stop:
-            pipe = build(args, tp)
-            pipe.log = tqdm.write  # diagnostics above the progress bar, never on its line
-            beside = SimulatorBeside(pipe) if args.beside_simulator else None
             start = time.perf_counter()
             bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
             for item in items:

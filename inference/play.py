@@ -30,7 +30,8 @@ from owl_wms.controls import BUTTONS  # noqa: E402
 from owl_wms.engine import CausvidPipeline  # noqa: E402
 
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
-from .video import Mp4Writer, OutputPathError, StopOnSigint, check_output_path, flat_frame_warning  # noqa: E402
+from .signals import StopOnSigint  # noqa: E402
+from .video import MIN_FREE, Mp4Writer, OutputPathError, check_output_path, flat_frame_warning  # noqa: E402
 
 DEFAULT_BINDINGS = dict(zip(BUTTONS, ("w", "a", "s", "d", "left shift", "space", "r", "f", "e", "mouse1", "mouse3")))
 CONTROL_KEYS = {pygame.K_ESCAPE: "quit", pygame.K_F1: "overlay", pygame.K_F2: "pause", pygame.K_F3: "step",
@@ -228,7 +229,7 @@ class PlayOptions:
         if not record_dir.is_dir():
             raise OutputPathError(f"--record-dir {str(record_dir)!r} does not exist; create it or choose another")
         if args.record:
-            check_output_path(args.record, flag="--record")
+            check_output_path(args.record, flag="--record", need=MIN_FREE)
         if args.save_actions:
             check_output_path(args.save_actions, suffix=Path(args.save_actions).suffix or ".jsonl", flag="--save-actions")
         if args.replay and not Path(args.replay).is_file():
@@ -329,7 +330,7 @@ class Game:
             self.recordings.append((writer.path, writer.close()))
             return
         path = path or self.opt.record_dir / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
-        self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale, flag="--record")
+        self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale, flag="--record", need=MIN_FREE)
 
     def log(self, item):
         if self.actions_file is not None:
@@ -450,15 +451,15 @@ class Game:
             self.worker.stop()
             pygame.quit()
             return 2
-        actions_file = self.actions_file = open(self.opt.save_actions, "w") if self.opt.save_actions else None
-        if self.opt.record is not None:
-            self.toggle_recording(self.opt.record)
-        if self.opt.replay is None:
-            self.set_grab(True)
-        self.worker.paused = False
-        start, code = time.perf_counter(), 0
-        with StopOnSigint() as stop:
+        start, code, actions_file = time.perf_counter(), 0, None
+        with StopOnSigint() as stop:  # from here on a Ctrl-C finishes the outputs it opens
             try:
+                actions_file = self.actions_file = open(self.opt.save_actions, "w") if self.opt.save_actions else None
+                if self.opt.record is not None:
+                    self.toggle_recording(self.opt.record)
+                if self.opt.replay is None:
+                    self.set_grab(True)
+                self.worker.paused = False
                 running, last_draw = True, 0.0
                 while running:
                     if stop.requested:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import imageio_ffmpeg
 import numpy as np
 
 
-MIN_FREE = 1 << 20  # bytes a run needs free at start-up (a short video); a full disk is caught at close too
+MIN_FREE = 1 << 20  # bytes a recording of unknown length needs at start-up; a full disk is caught at close too
+# Bytes per output pixel of our H.264 (CRF 16): the shipped world's rollouts measured 0.025-0.04
+# at --scale 4 and 0.09 at --scale 1 (upscaled pixels cost less); 0.15 leaves room for busier
+# worlds (tests/test_headless.py checks the estimate covers real rollouts).
+MP4_BYTES_PER_PIXEL = 0.15
+MP4_OVERHEAD = 4096  # the container's header and index
 
 
 class OutputPathError(ValueError):
@@ -22,7 +26,9 @@ class OutputWriteError(RuntimeError):
     """Writing an output failed (a full disk, ffmpeg stopped); the message says what was kept."""
 
 
-def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out") -> Path:
+def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out", need: int = 0) -> Path:
+    """``path`` as a new output: its suffix, an existing writable folder, not a folder itself,
+    and ``need`` bytes free there."""
     path = Path(path)
     if path.suffix.lower() != suffix:
         raise OutputPathError(f"{flag} {str(path)!r} must end in {suffix}")
@@ -33,26 +39,50 @@ def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out
         raise OutputPathError(f"{flag} {str(path)!r} is a folder; give a file name, e.g. {str(path / ('out' + suffix))!r}")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise OutputPathError(f"output {str(path)!r} is not writable; choose another {flag}")
-    free = shutil.disk_usage(parent).free
-    if free < MIN_FREE:
-        raise OutputPathError(f"{flag} {str(path)!r}: only {free // 1024} KiB free in {str(parent)!r}; free some space "
-                              f"or choose another {flag}")
+    require_space([(flag, path, need)])
     return path
+
+
+def mp4_bytes(frames: int, height: int, width: int) -> int:
+    """An estimate of an H.264 video's size, ``frames`` of ``height`` x ``width`` output pixels."""
+    return int(frames * height * width * MP4_BYTES_PER_PIXEL) + MP4_OVERHEAD
+
+
+def size_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{-(-n // 1024)} KiB"
+
+
+def require_space(outputs: list[tuple[str, Path, int]]):
+    """Refuse outputs ``(flag, path, estimated bytes)`` whose folder's disk has less free space
+    than everything written to that disk needs."""
+    disks: dict[int, tuple[Path, list]] = {}
+    for flag, path, need in outputs:
+        parent = path.parent if str(path.parent) else Path(".")
+        disks.setdefault(os.stat(parent).st_dev, (parent, []))[1].append((flag, path, need))
+    for parent, items in disks.values():
+        free, need = shutil.disk_usage(parent).free, sum(n for *_, n in items)
+        if free < need:
+            what = ", ".join(f"{flag} {str(path)!r}" for flag, path, _ in items)
+            raise OutputPathError(f"{what} needs about {size_text(need)} but only {size_text(free)} is free in "
+                                  f"{str(parent)!r}; free some space, write elsewhere, or render fewer frames or a "
+                                  "smaller --scale")
 
 
 class Mp4Writer:
     """``with Mp4Writer(path, fps) as w: w.write(frame_uint8_hwc)``; ``path`` appears only when
     closed, holding every frame written (none written: no file)."""
 
-    def __init__(self, path: str | Path, fps: float = 30.0, scale: int = 1, flag: str = "--out"):
-        self.path = check_output_path(path, flag=flag)
+    def __init__(self, path: str | Path, fps: float = 30.0, scale: int = 1, flag: str = "--out", need: int = 0):
+        self.path = check_output_path(path, flag=flag, need=need)
         self.partial = self.path.with_name(f".{self.path.stem}.partial.mp4")
         self.fps, self.scale = fps, scale
         self.frames, self.failed = 0, False
         self._gen = None
-        # Fail now, not after an hour of play, if the folder refuses files.
+        # Fail now, not after an hour of play, if the folder refuses files; the partial file
+        # itself is made by the first frame, so a run stopped during start-up leaves nothing.
         try:
             self.partial.touch()
+            self.partial.unlink()
         except OSError as exc:
             raise OutputPathError(f"cannot create {str(self.partial)!r}: {exc}") from exc
 
@@ -86,6 +116,7 @@ class Mp4Writer:
             return None
         if not finished_mp4(self.partial):
             self.partial.unlink(missing_ok=True)
+            self.failed = True  # closing again returns None instead of raising again
             raise OutputWriteError(f"ffmpeg could not finish {str(self.path)!r} ({self.frames} frames; is the disk "
                                    "full?); nothing was kept")
         os.replace(self.partial, self.path)
@@ -159,29 +190,3 @@ def read_frames(path: str | Path) -> np.ndarray:
     return np.stack([np.frombuffer(f, dtype=np.uint8).reshape(h, w, 3) for f in gen])
 
 
-class StopOnSigint:
-    """Ctrl-C becomes a request checked between frames (``requested``), so it can never land
-    inside a write to ffmpeg and truncate the file; a second Ctrl-C interrupts at once.
-    SIGTERM and SIGHUP are treated the same way (torchrun turns a Ctrl-C into SIGTERM for its
-    workers; a closed terminal sends SIGHUP)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __enter__(self):
-        self.requested = False
-        # A SIGHUP the caller ignores (nohup) stays ignored. SIGINT is always ours: a Ctrl-C sent
-        # to the process group must finish the video even where a shell started it in the background.
-        self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
-        for s, before in self._previous.items():
-            if s != signal.SIGHUP or before is not signal.SIG_IGN:
-                signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for s, before in self._previous.items():
-            signal.signal(s, before if before is not None else signal.SIG_DFL)

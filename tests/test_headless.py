@@ -14,7 +14,7 @@ import torch
 
 from inference.actions import apply_event, load_actions, write_action_file
 from inference.causvid_pipeline import CausvidPipeline
-from inference.video import count_frames, read_frames
+from inference.video import Mp4Writer, count_frames, mp4_bytes, read_frames
 from owl_wms.config import load_config
 from owl_wms.maze.worlds import load_level, pipeline_sim_config
 
@@ -36,6 +36,12 @@ def test_rollout_writes_exactly_n_h264_frames(tmp_path):
     assert "world=maze-world params=" in r.stdout and "UNTRAINED" not in r.stdout  # the shipped, trained default
     assert "pipeline" in r.stdout and "total" in r.stdout
     assert not list(tmp_path.glob(".*partial*"))
+    # the free-space estimate covers the video, and the same frames at --scale 1 (the densest)
+    assert out.stat().st_size <= mp4_bytes(12, 256, 256)
+    with Mp4Writer(tmp_path / "small.mp4", fps=15) as small:
+        for frame in read_frames(out)[:, ::4, ::4]:
+            small.write(frame)
+    assert (tmp_path / "small.mp4").stat().st_size <= mp4_bytes(12, 64, 64)
 
 
 def test_profile_lines_when_enabled(tmp_path):
@@ -75,7 +81,7 @@ def test_unwritable_output_fails_before_loading(tmp_path):
     t0 = time.time()
     r = run("--headless", "--frames", "3", "--out", str(tmp_path / "no" / "such" / "dir" / "x.mp4"))
     assert r.returncode == 2 and "does not exist" in r.stderr and "--out" in r.stderr
-    assert "[owl]" not in r.stdout and time.time() - t0 < 60
+    assert "[owl] loading" not in r.stdout and time.time() - t0 < 60
     r = run("--headless", "--out", str(tmp_path / "x.avi"))
     assert r.returncode == 2 and "must end in .mp4" in r.stderr
 

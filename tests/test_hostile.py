@@ -198,21 +198,46 @@ def test_the_hostile_suite_covers_every_input_class():
     assert len(CASES) >= 60
 
 
-def test_a_full_disk_leaves_no_video_and_says_so(tmp_path, capsys):
-    """A 64 KiB tmpfs: refused at start-up, before any work, naming the free space."""
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KiB tmpfs."""
     import subprocess
 
     mount = tmp_path / "tiny"
     mount.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        rc = main(["--headless", "--checkpoint", str(TINY), "--frames", "2", "--out", str(mount / "x.mp4")])
-        text = "".join(capsys.readouterr())
-        assert rc == 2 and re.search(r"only \d+ KiB free in", text) and "Traceback" not in text
-        assert list(mount.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_rollout_larger_than_the_free_space_is_refused_before_any_frame(tiny_disk, capsys):
+    """On a 64 KiB tmpfs a 64-frame rollout is refused once the frame size is known, before any
+    frame, with the estimate and the free space; a 2-frame video at --scale 1 fits and is written."""
+    from inference.video import count_frames
+
+    rc = main(["--headless", "--checkpoint", str(TINY), "--frames", "64", "--out", str(tiny_disk / "x.mp4")])
+    text = "".join(capsys.readouterr())
+    assert rc == 2 and "Traceback" not in text
+    assert re.search(r"--out '.*x\.mp4' needs about \d+ KiB but only \d+ KiB is free in .*; free some space", text)
+    assert list(tiny_disk.iterdir()) == []
+    rc = main(["--headless", "--checkpoint", str(TINY), "--frames", "2", "--scale", "1", "--out", str(tiny_disk / "y.mp4")])
+    assert rc == 0 and [p.name for p in tiny_disk.iterdir()] == ["y.mp4"] and count_frames(tiny_disk / "y.mp4") == 2
+
+
+def test_a_disk_that_fills_during_the_video_keeps_nothing(tiny_disk):
+    """The disk fills after the start-up check: ffmpeg fails on a real ENOSPC and no file is left."""
+    from inference import video
+
+    writer = video.Mp4Writer(tiny_disk / "x.mp4", fps=15)
+    (tiny_disk / "ballast").write_bytes(b"\0" * (56 << 10))
+    noise = np.random.default_rng(0).integers(0, 256, (40, 128, 128, 3), dtype=np.uint8)
+    with pytest.raises(video.OutputWriteError, match=r"nothing was kept"):
+        for frame in noise:
+            writer.write(frame)
+        writer.close()
+    writer.close()
+    assert [p.name for p in tiny_disk.iterdir()] == ["ballast"]
 
 
 def test_a_writer_that_fails_midway_keeps_nothing(tmp_path, monkeypatch):
@@ -252,7 +277,7 @@ def test_ignored_signals_stay_ignored_and_the_others_finish_the_video():
     """nohup's ignored SIGHUP must not stop a run; SIGINT, SIGTERM and an unignored SIGHUP ask for a stop."""
     import signal
 
-    from inference.video import StopOnSigint
+    from inference.signals import StopOnSigint
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:

@@ -170,11 +170,36 @@ def test_ctrl_c_in_the_window_leaves_valid_recording_and_actions(tmp_path):
     assert sum("mouse" in x for x in read_lines(tmp_path / "r.jsonl")) == n
 
 
+@pytest.mark.parametrize("headless", [False, True], ids=["window", "headless"])
+def test_ctrl_c_during_start_up_ends_at_once_and_writes_nothing(tmp_path, headless):
+    """While torch imports (headless) or the model loads on the window's worker thread, a Ctrl-C
+    ends the run with a line saying so: no traceback, no abort, no file."""
+    import signal
+
+    env = {**NO_OWL, "SDL_VIDEODRIVER": "dummy"}
+    outputs = (["--headless", "--out", str(tmp_path / "x.mp4"), "--save-frames", str(tmp_path / "x.npy")] if headless
+               else ["--record", str(tmp_path / "r.mp4"), "--save-actions", str(tmp_path / "r.jsonl")])
+    proc = subprocess.Popen([sys.executable, "-m", "inference.game_cv", *outputs], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for = "[owl] starting" if headless else "[owl] loading"
+    lines = []
+    while not any(ln.startswith(wait_for) for ln in lines):
+        line = proc.stdout.readline()
+        assert line, f"the app ended before {wait_for!r}: {lines}"
+        lines.append(line)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "[owl] interrupted during start-up (SIGINT); nothing was written" in err
+    assert "Traceback" not in err and "terminate called" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unwritable_record_path_fails_at_start_up(tmp_path):
     env = {**NO_OWL, "SDL_VIDEODRIVER": "dummy"}
     r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--record", str(tmp_path / "no" / "x.mp4")],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "does not exist" in r.stderr and "[owl]" not in r.stdout
+    assert r.returncode == 2 and "does not exist" in r.stderr and "[owl] loading" not in r.stdout
 
 
 def test_no_display_gives_a_clear_message_not_a_traceback():

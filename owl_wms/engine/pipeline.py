@@ -152,6 +152,10 @@ class CausvidPipeline:
         self.recompute_anchor.restart(*(() if noised else (history, mouse, buttons)))
         x = history.float().cpu() if noised else self._noised_history(history)
         self.replay.step = 0
+        if self.verbose and self.cache_epoch == 0:  # the first history is start-up's last step
+            compiling = ("; OWL_COMPILE=1: the model compiles now and at the first frames (up to a minute on a CPU)"
+                         if self.settings.compile else "")
+            self.log(f"[owl] warm-up: prefilling {history.shape[0]} history frames{compiling} ...")
         self._run(self.lifecycle.cut(x, mouse.float().cpu(), buttons.float().cpu()))
         if self.verbose and self.cache_epoch > 1:  # the first history is part of start-up
             self.log(f"[owl] hard cut: cache epoch {self.cache_epoch}, {history.shape[0]} history frames")
