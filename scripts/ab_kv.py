@@ -131,10 +131,13 @@ def run_variant(name, env, spec, folder: Path) -> dict:
         (folder / stale).unlink(missing_ok=True)
     (folder / "spec.json").write_text(json.dumps({**spec, "name": name}))
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OWL_")}
-    child_env = {**clean, **env, "OWL_SEED": str(spec["seed"])}
+    # The worker runs where the user does (relative paths in the spec mean the same) and finds
+    # this repo's modules from anywhere.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    child_env = {**clean, **env, "OWL_SEED": str(spec["seed"]), "PYTHONPATH": path}
     with open(folder / "log.txt", "w") as log:
         rc = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--worker", str(folder / "spec.json")],
-                            cwd=REPO, env=child_env, stdout=log, stderr=None).returncode
+                            env=child_env, stdout=log, stderr=None).returncode
     if rc != 0 or not (folder / "result.json").is_file():
         err = (folder / "error.txt").read_text() if (folder / "error.txt").is_file() else (folder / "log.txt").read_text()
         return {"name": name, "env": env, "error": err.strip().splitlines()[0] if err.strip() else f"exit code {rc}",

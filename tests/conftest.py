@@ -17,6 +17,30 @@ TEST_THREADS = 2
 torch.set_num_threads(TEST_THREADS)
 os.environ.setdefault("OWL_THREADS", str(TEST_THREADS))
 GOLDEN = REPO.parent / "shared" / "golden" / "gamerft_motion_tiny.safetensors"
+# Seconds of a fixed piece of work (100 fp32 384x384 matmuls on TEST_THREADS threads) on a quiet
+# 2-thread AMD EPYC VM, the machine the suite's time limits were set on.
+QUIET_PACE_S = 0.14
+
+
+def machine_pace() -> float:
+    """How many times slower than that quiet machine this one runs now (at least 1): the best of
+    three timings of the same work, so a busy machine's limits grow with its load."""
+    import time
+
+    a = torch.randn(384, 384)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(100):
+            a @ a
+        best = min(best, time.perf_counter() - start)
+    return max(1.0, best / QUIET_PACE_S)
+
+
+def time_limit(quiet_seconds: float) -> float:
+    """A time limit sized by the work: ``quiet_seconds`` (a generous limit on the quiet machine,
+    several times the work's measured time there) scaled by how slow this machine is now."""
+    return quiet_seconds * machine_pace()
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -131,3 +155,32 @@ def golden(request):
     if not request.param.is_file():
         pytest.skip(f"golden file {request.param} is absent (it ships in ../shared beside the repo)")
     return load_golden(request.param)
+
+
+def run_main(module: str, args, env: dict | None = None, cwd=REPO):
+    """``python -m module args`` as a call of the module's ``main`` in this process (a child
+    process would import torch again: seconds a command), with the OWL_* flags of ``env`` alone
+    (OWL_THREADS stays) and ``cwd`` as the working folder. Returns (returncode, stdout, stderr)."""
+    import importlib
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+    from types import SimpleNamespace
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        for name in [k for k in os.environ if k.startswith("OWL_") and k != "OWL_THREADS"]:
+            del os.environ[name]
+        os.environ.update(env or {})
+        os.chdir(cwd)
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                rc = importlib.import_module(module).main([str(a) for a in args])
+            except SystemExit as stop:
+                rc = stop.code if isinstance(stop.code, int) or stop.code is None else (print(stop.code, file=err) or 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        torch.set_num_threads(TEST_THREADS)  # the app sets its own
+    return SimpleNamespace(returncode=rc or 0, stdout=out.getvalue(), stderr=err.getvalue())

@@ -8,7 +8,7 @@ import pytest
 
 from inference.video import count_frames
 
-from .conftest import REPO
+from .conftest import REPO, time_limit
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def ab_run(tmp_path_factory):
     r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--frames", "4", "--out", str(out),
                         "--variant", "again:", "--variant", "int8_kv", "--variant", "broken:OWL_RING_MODE=pointer",
                         "--variant", "crash:OWL_KV_BITS=5"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=time_limit(900))
     return r, out
 
 
@@ -64,10 +64,10 @@ def test_a_crashing_variant_gives_a_non_zero_exit_and_is_named(ab_run):
 
 def test_bad_variant_specs_are_clear_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--variant", "nope", "--out", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+                       cwd=REPO, capture_output=True, text=True, timeout=time_limit(120))
     assert r.returncode != 0 and "is neither a preset" in r.stderr and "fp8_v_only" in r.stderr
     r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--variant", "x:FP8=1", "--out", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+                       cwd=REPO, capture_output=True, text=True, timeout=time_limit(120))
     assert r.returncode != 0 and "not FLAG=VALUE with an OWL_* flag" in r.stderr
 
 

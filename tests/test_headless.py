@@ -18,14 +18,13 @@ from inference.video import Mp4Writer, count_frames, mp4_bytes, read_frames
 from owl_wms.config import load_config
 from owl_wms.maze.worlds import load_level, pipeline_sim_config
 
-from .conftest import REPO
+from .conftest import REPO, run_main, time_limit
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("OWL_")}
 
 
-def run(*args, env=None, **kw):
-    return subprocess.run([sys.executable, "-m", "inference.game_cv", *args], cwd=REPO, capture_output=True,
-                          text=True, env={**ENV, **(env or {})}, timeout=300, **kw)
+def run(*args, env=None):
+    return run_main("inference.game_cv", args, env)
 
 
 def test_rollout_writes_exactly_n_h264_frames(tmp_path):
@@ -61,7 +60,7 @@ def test_ctrl_c_leaves_a_valid_mp4(tmp_path):
     seen = []
     reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)
     reader.start()
-    deadline = time.time() + 120
+    deadline = time.time() + time_limit(120)
     def progress():
         done = re.findall(r"\| *(\d+)/2000", "".join(seen))
         return int(done[-1]) if done else 0
@@ -70,7 +69,7 @@ def test_ctrl_c_leaves_a_valid_mp4(tmp_path):
         time.sleep(0.1)
     assert proc.poll() is None, "".join(seen)[-3000:]
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-    stdout, _ = proc.communicate(timeout=60)
+    stdout, _ = proc.communicate(timeout=time_limit(60))
     assert proc.returncode == 130, stdout + "".join(seen)
     written = int(re.search(r"\((\d+) frames\) - interrupted", stdout).group(1))
     assert 8 <= written < 2000 and count_frames(out) == written
@@ -81,7 +80,7 @@ def test_unwritable_output_fails_before_loading(tmp_path):
     t0 = time.time()
     r = run("--headless", "--frames", "3", "--out", str(tmp_path / "no" / "such" / "dir" / "x.mp4"))
     assert r.returncode == 2 and "does not exist" in r.stderr and "--out" in r.stderr
-    assert "[owl] loading" not in r.stdout and time.time() - t0 < 60
+    assert "[owl] loading" not in r.stdout and time.time() - t0 < time_limit(60)
     r = run("--headless", "--out", str(tmp_path / "x.avi"))
     assert r.returncode == 2 and "must end in .mp4" in r.stderr
 

@@ -5,7 +5,7 @@ from safetensors.torch import save_file
 import owl_wms
 from owl_wms.loading import CheckpointError, read_state_dict
 
-from .conftest import REPO, random_model
+from .conftest import REPO, random_model, time_limit
 
 
 def write_config(tmp_path):
@@ -353,7 +353,7 @@ def test_game_cli_takes_weights_and_refuses_a_set_the_file_lacks(tmp_path):
     def game(ckpt, *extra):
         return subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--frames", "2",
                                "--checkpoint", str(cfg_path), "--ckpt", str(ckpt), "--out", str(tmp_path / "x.mp4"),
-                               *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=time_limit(300))
 
     r = game(tmp_path / "t.pt", "--weights", "online")
     assert r.returncode == 0, r.stderr

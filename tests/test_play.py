@@ -12,7 +12,7 @@ import pytest
 
 from inference.video import count_frames, read_frames
 
-from .conftest import REPO
+from .conftest import REPO, time_limit
 
 pygame = pytest.importorskip("pygame")
 E = pygame.event.Event
@@ -100,7 +100,7 @@ def test_play_session_controls_record_and_replay_exactly(dummy_video, tmp_path):
     # the saved actions (with their events) re-render headless to the very same frames
     r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
                         str(tmp_path / "a.jsonl"), "--scale", "2", "--out", str(tmp_path / "replay.mp4")],
-                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=300)
+                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=time_limit(300))
     assert r.returncode == 0, r.stderr
     assert np.array_equal(read_frames(tmp_path / "rec.mp4"), read_frames(tmp_path / "replay.mp4"))
 
@@ -117,7 +117,7 @@ def test_pause_step_and_replay_in_the_window(dummy_video, tmp_path):
     assert game.run() == 0 and game.frames_shown == 6  # the replay ends the session
     r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
                         str(tmp_path / "in.jsonl"), "--scale", "1", "--out", str(tmp_path / "head.mp4")],
-                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=300)
+                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=time_limit(300))
     assert r.returncode == 0 and np.array_equal(read_frames(tmp_path / "win.mp4"), read_frames(tmp_path / "head.mp4"))
 
     pause = {1: [E(pygame.KEYDOWN, key=pygame.K_F9), E(pygame.KEYDOWN, key=pygame.K_F2)]}
@@ -158,12 +158,12 @@ def test_ctrl_c_in_the_window_leaves_valid_recording_and_actions(tmp_path):
         path = tmp_path / "r.jsonl"
         return path.read_text().count('"mouse"') if path.exists() else 0
 
-    deadline = time.time() + 120  # a count of frames, not a sleep: a busy machine plays fewer per second
+    deadline = time.time() + time_limit(120)  # a count of frames, not a sleep: a busy machine plays fewer per second
     while time.time() < deadline and frames_written() <= 5 and proc.poll() is None:
         time.sleep(0.2)
     assert proc.poll() is None
     os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=time_limit(60))
     assert proc.returncode == 130, err  # Ctrl-C stops between frames, like the headless mode
     n = int(re.search(r"played (\d+) frames", out).group(1))
     assert n > 5 and count_frames(tmp_path / "r.mp4") == n
@@ -188,7 +188,7 @@ def test_ctrl_c_during_start_up_ends_at_once_and_writes_nothing(tmp_path, headle
         assert line, f"the app ended before {wait_for!r}: {lines}"
         lines.append(line)
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=time_limit(60))
     assert proc.returncode == 130, err
     assert "[owl] interrupted during start-up (SIGINT); nothing was written" in err
     assert "Traceback" not in err and "terminate called" not in err
@@ -198,14 +198,14 @@ def test_ctrl_c_during_start_up_ends_at_once_and_writes_nothing(tmp_path, headle
 def test_unwritable_record_path_fails_at_start_up(tmp_path):
     env = {**NO_OWL, "SDL_VIDEODRIVER": "dummy"}
     r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--record", str(tmp_path / "no" / "x.mp4")],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=time_limit(120))
     assert r.returncode == 2 and "does not exist" in r.stderr and "[owl] loading" not in r.stdout
 
 
 def test_no_display_gives_a_clear_message_not_a_traceback():
     env = {k: v for k, v in NO_OWL.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "SDL_VIDEODRIVER")}
     r = subprocess.run([sys.executable, "-m", "inference.game_cv"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=time_limit(120))
     assert r.returncode == 2
     assert "--headless" in r.stderr and "SDL_VIDEODRIVER" in r.stderr and "Traceback" not in r.stderr
 
@@ -229,7 +229,7 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
                                  "--max-frames", "90", "--scale", "4"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         xdo = lambda *a: subprocess.run(["xdotool", *a], env=env, capture_output=True, text=True)  # noqa: E731
-        deadline = time.time() + 120
+        deadline = time.time() + time_limit(120)
         while time.time() < deadline and not xdo("search", "--classname", "game_cv").stdout.strip():
             if game.poll() is not None:
                 pytest.fail(f"game_cv exited ({game.returncode}) before its window opened: {game.communicate()[1]}")
@@ -247,7 +247,7 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
         xdo("key", "F12")
         time.sleep(0.5)
         xdo("keyup", "w")
-        out, err = game.communicate(timeout=180)
+        out, err = game.communicate(timeout=time_limit(180))
         assert game.returncode == 0, err
     finally:
         xvfb.terminate()
@@ -261,7 +261,7 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
     assert any(x.get("mouse", [0, 0])[0] > 0 for x in lines)  # and so did its mouse motion
     r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
                         str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "replay.mp4")],
-                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=300)
+                       cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=time_limit(300))
     assert r.returncode == 0 and np.array_equal(read_frames(tmp_path / "x.mp4"), read_frames(tmp_path / "replay.mp4"))
 
 

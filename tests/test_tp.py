@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from owl_wms.parallel import ParallelContext, TPError
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, time_limit, tiny_config
 
 ENV = {"OWL_DTYPE": "fp32", "OWL_DEVICE": "cpu"}
 
 
-def game(tmp_path, *args, tp=2, env=None, actions=None, timeout=240):
+def game(tmp_path, *args, tp=2, env=None, actions=None, timeout=240.0):
     """Run the headless game (under torchrun when tp > 1); returns (rc, output, seconds)."""
     import os
 
@@ -26,7 +26,7 @@ def game(tmp_path, *args, tp=2, env=None, actions=None, timeout=240):
     full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWL_")}, **ENV, **(env or {})}
     start = time.perf_counter()
     p = subprocess.run([*cmd, "--headless", "--tp", str(tp), *args], cwd=REPO, env=full_env, capture_output=True,
-                       text=True, timeout=timeout)
+                       text=True, timeout=time_limit(timeout))
     return p.returncode, p.stdout + p.stderr, time.perf_counter() - start
 
 
@@ -75,7 +75,7 @@ def test_broken_rank_fails_every_rank_fast_with_a_clear_message(tmp_path, fault,
     rc, log, secs = game(tmp_path, "--frames", "6", "--out", str(tmp_path / "x.mp4"), env=fault_env(fault))
     assert rc != 0
     assert re.search(message, log), log[-3000:]
-    assert secs < 60, f"took {secs:.0f}s: a rank waited for a collective instead of failing"
+    assert secs < time_limit(60), f"took {secs:.0f}s: a rank waited for a collective instead of failing"
 
 
 def test_tp_without_torchrun_says_how_to_launch(tmp_path):
@@ -86,7 +86,7 @@ def test_tp_without_torchrun_says_how_to_launch(tmp_path):
            **ENV}
     p = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--tp", "2", "--frames", "2",
                         "--out", str(tmp_path / "x.mp4")], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=time_limit(120))
     assert p.returncode == 2
     assert "torchrun --nproc-per-node 2 -m inference.game_cv" in p.stderr
 
@@ -113,7 +113,7 @@ def test_tp2_reproduces_the_golden_decode(tmp_path, name, ring_mode):
     assert golden["cfg"].global_window < golden["window"] and golden["cfg"].n_heads % 2 == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "tests.tp_golden_worker", str(path), str(out), ring_mode]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=time_limit(240))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     x0 = load_file(str(out))["x0"]
     assert x0.shape[1] == golden_frames(golden["t"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import REPO
+from .conftest import REPO, time_limit
 
 
 def test_workers_render_the_episodes_one_process_renders(tmp_path):
@@ -88,7 +88,7 @@ def test_the_recipe_makes_checkpoints_from_nothing(tmp_path):
            "TRAIN_SECONDS": "1", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32", "CLIP_FUTURE": "8",
            "VARIANTS": f"open:turns:{config}:2 plain:turns:{config}:0"}
     proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=time_limit(600))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     times = (tmp_path / "run" / "times.tsv").read_text()
     assert [line.split("\t")[0] for line in times.splitlines()[3:]] == ["data", "encode", "train", "export", "total"]
