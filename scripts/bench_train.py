@@ -22,7 +22,7 @@ from owl_wms.attention import query_chunk_tokens
 from owl_wms.config import load_config
 from owl_wms.maze.training.world import sample_times, train_step, world_trainer
 
-from .common import machine
+from .common import REPO, machine
 
 
 class Trainer:
@@ -47,7 +47,7 @@ class Trainer:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/maze_world.yaml")
+    p.add_argument("--config", default=str(REPO / "configs" / "maze_world.yaml"))
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10, help="steps per variant; the first 3 are warm-up")
     args = p.parse_args(argv)
