@@ -9,11 +9,9 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from pathlib import Path
 from typing import Mapping
 
-from owl_wms.config import load_config
-from owl_wms.settings import BY_FIELD, CODEC_FIELDS, OPTIONS, Settings, without_kv
+from owl_wms.settings import CODEC_FIELDS, OPTIONS, Settings, known_settings, without_kv
 
 FLAGS = {o.field: "OWL_TP_TIMEOUT" if o.field == "tp_timeout_s" else f"OWL_{o.field.upper()}" for o in OPTIONS}
 KNOWN = {flag: field for field, flag in FLAGS.items()}
@@ -26,7 +24,7 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     for name in sorted(k for k, v in environ.items() if k in KNOWN and not str(v).strip()):
         warnings.warn(f"{name} is set but empty and is ignored; give it a value or unset it", stacklevel=2)
     environ = {k: v for k, v in environ.items() if k.startswith("OWL_") and str(v).strip()}
-    inference = dict(inference or {})
+    inference = known_settings(inference)
     # The codec flags act together: once any is set, the config's codec choice steps aside
     # (OWL_FP8_KV=1 means fp8 even where the config says kv_storage: int8).
     if any(FLAGS[f] in environ for f in CODEC_FIELDS):
@@ -34,12 +32,10 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     # OWL_KV_CACHE=none (the cache-free baseline) sets aside the config's whole cache plan.
     if str(environ.get(FLAGS["kv_cache"], "")).strip().lower() == "none":
         inference = without_kv(inference)
-    for key in sorted(set(inference) - set(BY_FIELD)):
-        warnings.warn(f"config inference.{key} is not a known setting; known: {sorted(BY_FIELD)}", stacklevel=2)
     for name in sorted(k for k in environ if k.startswith("OWL_") and k not in KNOWN):
         warnings.warn(f"{name} is not a known OWL_* flag and is ignored; known flags: {', '.join(KNOWN)}",
                       stacklevel=2)
-    raw = {f: v for f, v in inference.items() if f in BY_FIELD}
+    raw = dict(inference)
     raw.update({f: environ[flag] for f, flag in FLAGS.items() if flag in environ})
     from_config = {f for f in raw if FLAGS[f] not in environ}
     return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
@@ -73,14 +69,6 @@ def with_threads(settings: Settings, ranks: int = 1) -> Settings:
         settings = settings.replace(threads=max(1, auto))
     torch.set_num_threads(settings.threads)
     return settings
-
-
-def checkpoint_settings(checkpoint, environ: Mapping[str, str] | None = None) -> Settings:
-    """The settings of a checkpoint folder (or config file): its ``inference:`` section under the
-    OWL_* flags."""
-    checkpoint = Path(checkpoint)
-    return resolve_settings(load_config(checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint).inference,
-                            environ)
 
 
 def flag_message(exc: BaseException) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 if __name__ == "__main__":  # first of all, before torch loads (seconds): say so; a Ctrl-C now ends quietly
     from inference.signals import quit_during_startup
@@ -20,7 +19,7 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
         print("[owl] starting ...", flush=True)
 
 from owl_wms.clips import load_clip  # noqa: E402
-from owl_wms.config import ConfigError  # noqa: E402
+from owl_wms.config import ConfigError, WorldConfig, load_world  # noqa: E402
 from owl_wms.engine import CausvidPipeline, LifecycleError  # noqa: E402
 from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError  # noqa: E402
 from owl_wms.maze.worlds import check_simulator, load_level  # noqa: E402
@@ -28,7 +27,7 @@ from owl_wms.parallel import ParallelContext, TPError, is_collective_error  # no
 from owl_wms.settings import Settings, SettingsError  # noqa: E402
 
 from .actions import BUILTIN  # noqa: E402
-from .flags import checkpoint_settings, flag_message, with_threads  # noqa: E402
+from .flags import flag_message, resolve_settings, with_threads  # noqa: E402
 from .headless import run_headless  # noqa: E402
 from .video import OutputPathError, OutputWriteError  # noqa: E402
 
@@ -93,18 +92,20 @@ def parse_args(argv=None):
     return args
 
 
-def run_settings(args) -> Settings:
-    """The config's ``inference:`` section under the OWL_* flags, then --seed."""
-    settings = with_threads(checkpoint_settings(args.checkpoint), args.tp)
-    return settings.replace(seed=args.seed) if args.seed is not None else settings
+def run_settings(args) -> tuple[WorldConfig, Settings]:
+    """The checkpoint's config, read once, and the settings: its ``inference:`` section under the
+    OWL_* flags, then --seed."""
+    world = load_world(args.checkpoint)
+    settings = with_threads(resolve_settings(world.inference), args.tp)
+    return world, settings.replace(seed=args.seed) if args.seed is not None else settings
 
 
-def build_pipeline(args, settings: Settings, tp: ParallelContext | None = None) -> CausvidPipeline:
+def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelContext | None = None) -> CausvidPipeline:
     """The pipeline with its first history; TP ranks other than 0 get theirs from rank 0."""
     if tp is None or tp.is_leader:  # start-up takes seconds: say so at once
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
-    pipe = CausvidPipeline.from_checkpoint(Path(args.checkpoint), args.ckpt, settings=settings, clip=clip,
+    pipe = CausvidPipeline.from_checkpoint(world, args.ckpt, settings=settings, clip=clip,
                                            ground_truth=args.ground_truth, tp=tp, weights=args.weights)
     check_simulator(pipe.world)
     if tp is not None and not tp.is_leader:
@@ -122,29 +123,29 @@ def launch_tp(args, settings: Settings) -> ParallelContext | None:
     return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every)
 
 
-def run_play(args, settings: Settings) -> int:
+def run_play(args, world: WorldConfig, settings: Settings) -> int:
     from .play import Game, PlayOptions, no_display_message  # pygame loads only for the window
 
     if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER")):
         print(no_display_message(), file=sys.stderr)
         return 2
     options = PlayOptions.from_args(args)  # output paths are checked here, before the model loads
-    return Game(lambda: build_pipeline(args, settings), options).run()
+    return Game(lambda: build_pipeline(args, world, settings), options).run()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     tp = None
     try:
-        settings = run_settings(args)  # once: the config is read and the threads set here
+        world, settings = run_settings(args)  # once: the config is read and the threads set here
         tp = launch_tp(args, settings)
         if tp is not None and not args.headless:
             raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
         if args.beside_simulator and not args.headless:
             raise ValueError("--beside-simulator renders to the video only; add --headless")
         if not args.headless:
-            return run_play(args, settings)
-        return run_headless(args, lambda args, tp: build_pipeline(args, settings, tp), tp)
+            return run_play(args, world, settings)
+        return run_headless(args, lambda args, tp: build_pipeline(args, world, settings, tp), tp)
     except USER_ERRORS as exc:
         if tp is not None:
             tp.fail(exc, flag_message(exc))

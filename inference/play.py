@@ -416,7 +416,6 @@ class Game:
 
     # -- main loop -----------------------------------------------------------------------------
     def open_window(self) -> bool:
-
         pygame.display.init()  # video and fonts only: no audio device is needed (or probed)
         pygame.font.init()
         h, w = self.pipe.frame_shape

@@ -24,22 +24,32 @@ def _quit(signum, frame):
     os._exit(128 + signum)
 
 
+def _install(handler) -> dict:
+    """``handler`` for the stop signals that are ours; returns the handlers it replaced."""
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s, before in previous.items():
+        if _ours(s, before):
+            signal.signal(s, handler)
+    return previous
+
+
+def _restore(previous: dict):
+    for s, before in previous.items():
+        signal.signal(s, before if before is not None else signal.SIG_DFL)
+
+
 def quit_during_startup():
     """From here until ``StopOnSigint`` is entered, a stop signal ends the process at once."""
     global _before_startup
     if _before_startup is None:
-        _before_startup = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    for s, before in _before_startup.items():
-        if _ours(s, before):
-            signal.signal(s, _quit)
+        _before_startup = _install(_quit)
 
 
 def end_startup():
     """Give the stop signals back their handlers from before ``quit_during_startup``."""
     global _before_startup
     if _before_startup is not None:
-        for s, before in _before_startup.items():
-            signal.signal(s, before if before is not None else signal.SIG_DFL)
+        _restore(_before_startup)
         _before_startup = None
 
 
@@ -52,10 +62,7 @@ class StopOnSigint:
     def __enter__(self):
         end_startup()
         self.requested = False
-        self._previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-        for s, before in self._previous.items():
-            if _ours(s, before):
-                signal.signal(s, self._handle)
+        self._previous = _install(self._handle)
         return self
 
     def _handle(self, signum, frame):
@@ -64,5 +71,4 @@ class StopOnSigint:
         self.requested = True
 
     def __exit__(self, *exc):
-        for s, before in self._previous.items():
-            signal.signal(s, before if before is not None else signal.SIG_DFL)
+        _restore(self._previous)

@@ -32,14 +32,15 @@ def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out
     path = Path(path)
     if path.suffix.lower() != suffix:
         raise OutputPathError(f"{flag} {str(path)!r} must end in {suffix}")
-    parent = path.parent if str(path.parent) else Path(".")
+    parent = path.parent
     if not parent.is_dir():
         raise OutputPathError(f"output folder {str(parent)!r} does not exist; create it or choose another {flag}")
     if path.is_dir():
         raise OutputPathError(f"{flag} {str(path)!r} is a folder; give a file name, e.g. {str(path / ('out' + suffix))!r}")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise OutputPathError(f"output {str(path)!r} is not writable; choose another {flag}")
-    require_space([(flag, path, need)])
+    if need:
+        require_space([(flag, path, need)])
     return path
 
 
@@ -57,8 +58,7 @@ def require_space(outputs: list[tuple[str, Path, int]]):
     than everything written to that disk needs."""
     disks: dict[int, tuple[Path, list]] = {}
     for flag, path, need in outputs:
-        parent = path.parent if str(path.parent) else Path(".")
-        disks.setdefault(os.stat(parent).st_dev, (parent, []))[1].append((flag, path, need))
+        disks.setdefault(os.stat(path.parent).st_dev, (path.parent, []))[1].append((flag, path, need))
     for parent, items in disks.values():
         free, need = shutil.disk_usage(parent).free, sum(n for *_, n in items)
         if free < need:

@@ -259,6 +259,12 @@ def _section(raw, name: str, path) -> dict:
     return OmegaConf.to_container(section, resolve=True)
 
 
+def load_world(checkpoint: str | Path) -> WorldConfig:
+    """The config of a checkpoint folder (its config.yaml) or a config file."""
+    checkpoint = Path(checkpoint)
+    return load_config(checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint)
+
+
 def load_config(path: str | Path) -> WorldConfig:
     path = Path(path)
     if not path.is_file():

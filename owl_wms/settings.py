@@ -168,6 +168,14 @@ KV_FIELDS = tuple(o.field for o in OPTIONS if o.field in {
 CODEC_FIELDS = ("fp8_kv", "k_fp8", "kv_storage", "kv_bits", "kv_fmt_k", "kv_fmt_v")
 
 
+def known_settings(inference: Mapping | None) -> dict:
+    """A config's ``inference:`` section, its known settings only; each other key warns by name."""
+    inference = dict(inference or {})
+    for key in sorted(set(inference) - set(BY_FIELD)):
+        warnings.warn(f"config inference.{key} is not a known setting; known: {sorted(BY_FIELD)}", stacklevel=3)
+    return {k: v for k, v in inference.items() if k in BY_FIELD}
+
+
 def without_kv(inference: Mapping | None) -> dict:
     """A config's ``inference:`` section minus its cache plan (so an app's flags alone define it)."""
     return {k: v for k, v in dict(inference or {}).items() if k not in KV_FIELDS}
@@ -280,10 +288,7 @@ class Settings:
     @classmethod
     def from_config(cls, inference: Mapping | None = None) -> "Settings":
         """Defaults under a config's ``inference:`` section (no flags)."""
-        inference = dict(inference or {})
-        for key in sorted(set(inference) - set(BY_FIELD)):
-            warnings.warn(f"config inference.{key} is not a known setting; known: {sorted(BY_FIELD)}", stacklevel=2)
-        return cls.parse({k: v for k, v in inference.items() if k in BY_FIELD}, lambda f: f"config inference.{f}")
+        return cls.parse(known_settings(inference), lambda f: f"config inference.{f}")
 
     @classmethod
     def parse(cls, raw: Mapping, name: Callable[[str], str] | None = None) -> "Settings":

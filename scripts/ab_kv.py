@@ -83,17 +83,17 @@ def worker(spec_path: Path):
         from tqdm import tqdm
 
         from inference.causvid_pipeline import CausvidPipeline
-        from owl_wms.config import load_config
+        from owl_wms.config import load_world
         from owl_wms.controls import to_uint8
         from owl_wms.engine.profiler import peak_memory_mb
         from owl_wms.maze.worlds import load_level
         from owl_wms.settings import without_kv
 
-        cfg_path = Path(spec["checkpoint"]) / "config.yaml"
+        world = load_world(spec["checkpoint"])
         # The variant's OWL_* flags alone choose the cache plan (not the config's default plan).
-        settings = with_threads(resolve_settings(without_kv(load_config(cfg_path).inference)))
+        settings = with_threads(resolve_settings(without_kv(world.inference)))
         settings = settings.replace(profile_kv=True, profile_kv_first=0, profile_kv_every=10**9)
-        pipe = CausvidPipeline.from_checkpoint(spec["checkpoint"], settings=settings, clip=None, verbose=False)
+        pipe = CausvidPipeline.from_checkpoint(world, settings=settings, clip=None, verbose=False)
         if spec.get("world_seed") is not None:
             load_level(pipe, spec["world_seed"], future=0)
         else:
@@ -312,12 +312,12 @@ def main(argv=None):
 
     from inference.actions import load_actions
     from inference.causvid_pipeline import DEFAULT_CHECKPOINT
-    from owl_wms.config import load_config
+    from owl_wms.config import load_world
     from tqdm import tqdm
 
 
     checkpoint = str(Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT)
-    world = load_config(Path(checkpoint) / "config.yaml")
+    world = load_world(checkpoint)
     presets = load_presets()
     variants = [("baseline", {})]
     for spec in args.variant or DEFAULT_VARIANTS:

@@ -83,11 +83,11 @@ def worker(args) -> None:
         step = lambda: pipe.generate(*WALK)  # noqa: E731
     else:
         ckpt = Path(__file__).resolve().parent.parent / "checkpoints" / "maze-world"
-        from owl_wms.config import load_config
+        from owl_wms.config import load_world
 
-        settings = resolve_settings(load_config(ckpt / "config.yaml").inference,
-                                    {"OWL_DEVICE": args.device}).replace(dtype=dtype)
-        pipe = CausvidPipeline.from_checkpoint(ckpt, settings=settings, verbose=False, tp=tp)
+        world = load_world(ckpt)
+        settings = resolve_settings(world.inference, {"OWL_DEVICE": args.device}).replace(dtype=dtype)
+        pipe = CausvidPipeline.from_checkpoint(world, settings=settings, verbose=False, tp=tp)
         step = lambda: pipe.decode(pipe.generate(*WALK))  # noqa: E731
     if tp is not None and not tp.is_leader:
         pipe.tp.follow()

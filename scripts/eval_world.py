@@ -33,7 +33,8 @@ import torch
 from tqdm import tqdm
 
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
-from inference.flags import checkpoint_settings, with_threads
+from inference.flags import resolve_settings, with_threads
+from owl_wms.config import load_world
 from owl_wms.maze.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.maze.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
                                  simulator_responses, standard_error, teacher_forced, turn_following,
@@ -79,8 +80,9 @@ def main(argv=None):
         p.error(f"--rest-frames {args.rest_frames}: must be >= 0 (0 skips the at-rest diagnostic)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pipe = CausvidPipeline.from_checkpoint(args.checkpoint, ckpt_path=args.weights, clip=None,
-                                           settings=with_threads(checkpoint_settings(args.checkpoint)))
+    world = load_world(args.checkpoint)
+    pipe = CausvidPipeline.from_checkpoint(world, ckpt_path=args.weights, clip=None,
+                                           settings=with_threads(resolve_settings(world.inference)))
     if args.schedule:
         pipe.schedule = tuple(args.schedule)
     pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from inference.causvid_pipeline import CausvidPipeline
-from inference.flags import checkpoint_settings, resolve_settings, with_threads
+from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
+from inference.flags import resolve_settings, with_threads
+from owl_wms.config import load_world
 from owl_wms.maze.data import HELD_OUT_SEED
 from owl_wms.maze.evaluation import Episode, frame_metrics
 from owl_wms.settings import without_kv
@@ -67,8 +68,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    base = CausvidPipeline.from_checkpoint(args.checkpoint, clip=None, verbose=False,
-                                           settings=with_threads(checkpoint_settings(args.checkpoint)))
+    world = load_world(args.checkpoint or DEFAULT_CHECKPOINT)
+    base = CausvidPipeline.from_checkpoint(world, clip=None, verbose=False,
+                                           settings=with_threads(resolve_settings(world.inference)))
     n_layers = base.cfg.n_layers
     seed = HELD_OUT_SEED + args.seed_offset
     ep = Episode(base, seed, args.frames)

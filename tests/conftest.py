@@ -176,8 +176,11 @@ def run_main(module: str, args, env: dict | None = None, cwd=REPO):
         with redirect_stdout(out), redirect_stderr(err):
             try:
                 rc = importlib.import_module(module).main([str(a) for a in args])
-            except SystemExit as stop:
-                rc = stop.code if isinstance(stop.code, int) or stop.code is None else (print(stop.code, file=err) or 1)
+            except SystemExit as stop:  # argparse's errors, and scripts that exit with a message
+                rc = stop.code
+                if isinstance(rc, str):
+                    print(rc, file=err)
+                    rc = 1
     finally:
         os.environ.clear()
         os.environ.update(saved_env)

@@ -1,7 +1,6 @@
 """Hostile and careless input to the app: every case ends with a one-line error that names the
 thing, the value and the fix; no traceback, a non-zero exit status and no file left behind."""
 import json
-import os
 import re
 import shutil
 
@@ -12,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from inference.game_cv import main
 
-from .conftest import REPO
+from .conftest import REPO, run_main
 
 TINY = REPO / "checkpoints" / "untrained-tiny"
 
@@ -168,26 +167,19 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_hostile_input_is_refused_with_a_clear_message_and_no_file(case, tmp_path, monkeypatch, capsys):
+def test_hostile_input_is_refused_with_a_clear_message_and_no_file(case, tmp_path):
     argv, env, expected = CASES[case]
     inputs = tmp_path / "in"
     inputs.mkdir()
     argv = argv(inputs) if callable(argv) else argv
     work = tmp_path / "out"
     work.mkdir()
-    monkeypatch.chdir(work)
-    for name in [k for k in os.environ if k.startswith("OWL_") and k != "OWL_THREADS"]:
-        monkeypatch.delenv(name)
-    for name, value in {"OWL_DEVICE": "cpu", **env}.items():
-        monkeypatch.setenv(name, value)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    try:  # the case's own options come last and win
-        rc = main(["--headless", "--checkpoint", str(TINY), "--frames", "2", "--out", str(work / "x.mp4"), *argv])
-    except SystemExit as exc:  # argparse's refusals
-        rc = exc.code
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert rc not in (0, None), f"exit status {rc}: {text[-2000:]}"
+    # the case's own options come last and win
+    r = run_main("inference.game_cv", ["--headless", "--checkpoint", TINY, "--frames", "2", "--out", work / "x.mp4", *argv],
+                 {"OWL_DEVICE": "cpu", **env}, cwd=work)
+    rc, text = r.returncode, r.stdout + r.stderr
+    assert rc != 0, f"exit status {rc}: {text[-2000:]}"
     assert "Traceback" not in text, text[-3000:]
     assert re.search(expected, text), text[-2000:]
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))

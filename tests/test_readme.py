@@ -13,8 +13,9 @@ def fenced_blocks():
     return re.findall(r"^```\w*\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
 
 
-def fenced_commands():
-    return [ln.strip() for block in fenced_blocks()
+def fenced_commands(blocks=None):
+    """The lines of ``blocks`` (default: every fenced block), blank and comment lines dropped."""
+    return [ln.strip() for block in (fenced_blocks() if blocks is None else blocks)
             for ln in block.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from .conftest import REPO, run_main, time_limit
-from .test_readme import fenced_blocks
+from .test_readme import fenced_blocks, fenced_commands
 
 FRAMES = "3"  # frames of every shortened rollout
 # Commands of minutes or hours, by their first words: the tests that run them at tiny sizes.
@@ -35,13 +35,8 @@ RUN_HERE = ("python -m inference.game_cv", "python -m scripts.ab_kv", "torchrun"
 
 
 def shell_commands() -> list[str]:
-    """The README's shell commands (its fenced blocks other than the Python example)."""
-    out = []
-    for block in fenced_blocks():
-        if "import " in block:  # the "Use from Python" block: test_readme runs it
-            continue
-        out += [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    return out
+    """The README's shell commands: its fenced blocks but the Python example (test_readme runs it)."""
+    return fenced_commands([block for block in fenced_blocks() if "import " not in block])
 
 
 def parse(command: str) -> tuple[dict, list[str]]:

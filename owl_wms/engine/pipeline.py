@@ -20,7 +20,7 @@ import torch
 
 from ..cache import build_cache, describe_plan, plan_layers
 from ..clips import Clip
-from ..config import WorldConfig, check_schedule, load_config
+from ..config import WorldConfig, check_schedule, load_world
 from ..controls import N_BUTTONS, as_controls, no_controls, to_uint8
 from ..loading import SHIPPED_WORLD, build_model, load_weights, read_weights
 from ..parallel import ParallelContext
@@ -78,7 +78,7 @@ class CausvidPipeline:
 
     @classmethod
     def from_checkpoint(cls, checkpoint=None, ckpt_path=None, **options) -> "CausvidPipeline":
-        """The pipeline of a checkpoint folder or config file (see ``load_pipeline``)."""
+        """The pipeline of a checkpoint folder, config file or loaded config (see ``load_pipeline``)."""
         return load_pipeline(checkpoint, ckpt_path, cls=cls, **options)
 
     @property
@@ -310,13 +310,15 @@ class CausvidPipeline:
 def load_pipeline(checkpoint=None, ckpt_path=None, settings: Settings | None = None, clip=0, ground_truth: bool = False,
                   verbose: bool = True, tp: ParallelContext | None = None, weights: str | None = None,
                   cls=CausvidPipeline) -> CausvidPipeline:
-    """``checkpoint``: a checkpoint folder (with config.yaml) or a config file (default: the
-    shipped world). ``weights``: "ema" or "online" of a trainer checkpoint holding both
-    (default: EMA where present). Under tensor parallelism only rank 0 loads the decoder."""
-    checkpoint = Path(checkpoint) if checkpoint is not None else SHIPPED_WORLD
-    cfg_path = checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint
-    world = load_config(cfg_path)
-    ckpt_path = Path(ckpt_path) if ckpt_path is not None else cfg_path.parent / "model.safetensors"
+    """``checkpoint``: a checkpoint folder (with config.yaml), a config file, or a config already
+    read by ``load_world`` (default: the shipped world). ``weights``: "ema" or "online" of a
+    trainer checkpoint holding both (default: EMA where present). Under tensor parallelism only
+    rank 0 loads the decoder."""
+    world = checkpoint if isinstance(checkpoint, WorldConfig) else load_world(
+        SHIPPED_WORLD if checkpoint is None else checkpoint)
+    if ckpt_path is None and world.path is None:
+        raise ValueError("this config was not read from a file, so no weights lie beside it; pass ckpt_path")
+    ckpt_path = Path(ckpt_path) if ckpt_path is not None else world.path.parent / "model.safetensors"
     loaded = read_weights(ckpt_path, weights)
     model = load_weights(build_model(world.model), loaded.tensors, str(ckpt_path))
     decoder = load_decoder(world) if tp is None or tp.is_leader else None
