@@ -1,9 +1,9 @@
 """Eager vs ``OWL_COMPILE=1`` on the shipped world, per cache mode, side by side in one run.
 
-    python -m scripts.bench_compile [--frames 32] [--device cpu] [--json out.json]
+    python -m scripts.bench_compile [--frames 32] [--device cpu] [--mode "int8 inplace" ...] [--json out.json]
 
 For each mode: frames per second (denoise + decode) eagerly and compiled, each as a ratio to
-eager bf16 roll from the same run, and the torch.compile graphs made after the warm-up frames
+the first mode's eager FPS from the same run (bf16 roll unless --mode picks others), and the torch.compile graphs made after the warm-up frames
 (dynamo's ``unique_graphs`` counter): 0 means decoding does not recompile in steady state.
 """
 from __future__ import annotations
@@ -33,15 +33,21 @@ def main(argv=None):
     p.add_argument("--frames", type=int, default=32, help="measured frames per mode (after 4 warm-up frames)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--checkpoint", default=None, help="world (default: the shipped one)")
+    p.add_argument("--mode", action="append", choices=list(MODES), metavar="MODE",
+                   help=f"a cache mode to measure (repeatable; default: all of {', '.join(MODES)})")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    print(f"command: python -m scripts.bench_compile {' '.join(sys.argv[1:])}".rstrip())
+    if args.frames < 1:
+        raise SystemExit(f"error: --frames {args.frames} measures nothing; use 1 or more")
+    modes = {name: MODES[name] for name in (args.mode or MODES)}
+    print(f"command: python -m scripts.bench_compile {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
     print(f"torch {torch.__version__}; machine: {machine()}; device {args.device}")
-    rows = [*world_rows(MODES, args.checkpoint, args.frames, args.device, compiled=False),
-            *world_rows(MODES, args.checkpoint, args.frames, args.device, compiled=True)]
+    rows = [*world_rows(modes, args.checkpoint, args.frames, args.device, compiled=False),
+            *world_rows(modes, args.checkpoint, args.frames, args.device, compiled=True)]
+    ref_name = next(iter(modes))
     ref = rows[0]["fps"]
-    print(f"\n{'mode':<20} {'eager FPS':>10} {'compiled FPS':>13} {'x eager bf16 roll':>18} {'recompiles':>11} {'KV MiB':>8}")
-    for name in MODES:
+    print(f"\n{'mode':<20} {'eager FPS':>10} {'compiled FPS':>13} {'x eager ' + ref_name:>18} {'recompiles':>11} {'KV MiB':>8}")
+    for name in modes:
         eager, comp = (next(r for r in rows if r["mode"] == name and r["compiled"] == c) for c in (False, True))
         print(f"{name:<20} {eager['fps']:>10.2f} {comp['fps']:>13.2f} {eager['fps'] / ref:>8.2f} / {comp['fps'] / ref:<7.2f} "
               f"{eager['recompiles']:>4} / {comp['recompiles']:<4} {eager['kv_mib']:>8.2f}")

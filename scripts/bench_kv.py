@@ -243,7 +243,7 @@ def main(argv=None):
         p.error(f"--cuda-graph captures CUDA graphs; --device {args.device} has none (use --device cuda)")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     cfg = ModelConfig.from_mapping({**PRODUCTION, "n_frames": WINDOW})
-    print(f"command: python -m scripts.bench_kv {' '.join(sys.argv[1:])}".rstrip())
+    print(f"command: python -m scripts.bench_kv {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
     print(f"torch {torch.__version__}; machine: {machine()}; device {args.device}, {args.dtype}")
     print(f"production cache shapes: {cfg.n_layers} layers ({cfg.n_layers // cfg.local_idx} global), "
           f"{cfg.n_heads} heads x {cfg.head_dim}, window {WINDOW} frames x {cfg.tokens_per_frame} tokens, "

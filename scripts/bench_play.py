@@ -14,11 +14,24 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 import torch
 
 from scripts.common import machine
+
+
+def private_display() -> tuple[subprocess.Popen, str]:
+    """An Xvfb on a free display; returns once it accepts clients (-displayfd writes its number then)."""
+    read_fd, write_fd = os.pipe()
+    xvfb = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "800x600x24", "-nolisten", "tcp"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,))
+    os.close(write_fd)
+    with os.fdopen(read_fd) as ready:
+        number = ready.readline().strip()
+    if not number.isdigit():
+        xvfb.kill()
+        raise SystemExit(f"error: Xvfb did not start (exit code {xvfb.poll()}); check that it runs on this machine")
+    return xvfb, f":{number}"
 
 
 def main(argv=None):
@@ -26,16 +39,15 @@ def main(argv=None):
     p.add_argument("--frames", type=int, default=200)
     p.add_argument("--scale", type=int, default=4)
     args = p.parse_args(argv)
+    if args.frames < 1 or args.scale < 1:
+        raise SystemExit(f"error: --frames {args.frames} --scale {args.scale}: both must be 1 or more")
     env = {k: v for k, v in os.environ.items() if k != "SDL_VIDEODRIVER"}
     xvfb = None
     if not env.get("DISPLAY"):
         if not shutil.which("Xvfb"):
             raise SystemExit("error: no $DISPLAY and no Xvfb; install the Debian package xvfb or run on a desktop")
-        env["DISPLAY"] = ":87"
-        xvfb = subprocess.Popen(["Xvfb", ":87", "-screen", "0", "800x600x24", "-nolisten", "tcp"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.0)
-    print(f"command: python -m scripts.bench_play {' '.join(sys.argv[1:])}")
+        xvfb, env["DISPLAY"] = private_display()
+    print(f"command: python -m scripts.bench_play {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"torch {torch.__version__}; machine: {machine()}; display {env['DISPLAY']}")
     try:
         for overlay in (True, False):

@@ -1,6 +1,6 @@
 """Per-frame time at tensor-parallel size 1 and 2, the communication share, and TP-vs-single frames.
 
-    python -m scripts.bench_tp [--frames 48] [--warmup 8] [--prod-frames 6] [--out eval/tp]
+    python -m scripts.bench_tp [--frames 48] [--warmup 8] [--prod-frames 6] [--exact-frames 16] [--out eval/tp]
 
 Rows, each in its own process(es), measured in one run on the machine named:
   * the shipped world (denoise + rank-0 decode), bf16: TP 1 with all threads, TP 1 with one
@@ -143,6 +143,7 @@ def main(argv=None):
     p.add_argument("--prod-frames", type=int, default=6)
     p.add_argument("--prod-window", type=int, default=8)
     p.add_argument("--skip-prod", action="store_true")
+    p.add_argument("--exact-frames", type=int, default=16, help="fp32 frames compared between TP 2 and TP 1")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="eval/tp")
     # worker-only options
@@ -155,6 +156,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
+    for flag, value, least in (("--frames", args.frames, 1), ("--warmup", args.warmup, 0),
+                               ("--prod-frames", args.prod_frames, 1), ("--prod-window", args.prod_window, 1),
+                               ("--exact-frames", args.exact_frames, 1)):
+        if value < least:
+            raise SystemExit(f"error: {flag} {value} is below {least}; use {least} or more")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +179,7 @@ def main(argv=None):
         print(f"running {label} ...", flush=True)
         rows.append({"config": label, "tp": tp, **launch(tp, out, name, extra, threads)})
     # exactness: fp32 frames, TP 2 vs TP 1
-    fp32 = ["--frames", "16", "--warmup", "0", "--dtype", "fp32", "--device", args.device]
+    fp32 = ["--frames", str(args.exact_frames), "--warmup", "0", "--dtype", "fp32", "--device", args.device]
     launch(1, out, "exact_tp1", fp32)
     launch(2, out, "exact_tp2", fp32)
     a, b = (np.load(out / f"exact_tp{n}.npy").astype(int) for n in (1, 2))

@@ -51,6 +51,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10, help="steps per variant; the first 3 are warm-up")
     args = p.parse_args(argv)
+    if args.batch < 1:
+        raise SystemExit(f"error: --batch {args.batch} trains on nothing; use 1 or more")
     if args.steps < 4:
         raise SystemExit(f"error: --steps {args.steps} leaves no measured step after 3 warm-up steps; use 4 or more")
     world = load_config(args.config)

@@ -8,8 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from .conftest import REPO, run_main, time_limit
 from .test_readme import fenced_blocks, fenced_commands
 
@@ -20,10 +18,10 @@ ELSEWHERE = {
     "python -m pytest": "the CI script (.ci/run), which test_readme checks",
     "python -m scripts.bench_pipeline": "tests/test_headless.py::test_bench_pipeline_measures_each_checkpoint_in_one_run",
     "python -m scripts.bench_kv": "tests/test_kv_quant.py (bench_kv's cache modes)",
-    "python -m scripts.bench_play": "tests/test_readme_commands.py::test_benchmark_commands_parse",
-    "python -m scripts.bench_compile": "tests/test_readme_commands.py::test_benchmark_commands_parse",
-    "python -m scripts.bench_tp": "tests/test_readme_commands.py::test_benchmark_commands_parse",
-    "python -m scripts.bench_train": "tests/test_readme_commands.py::test_benchmark_commands_parse",
+    "python -m scripts.bench_play": "tests/test_benchmarks.py::test_bench_play_measures_the_window_with_and_without_overlay",
+    "python -m scripts.bench_compile": "tests/test_benchmarks.py::test_bench_compile_measures_eager_and_compiled_modes",
+    "python -m scripts.bench_tp": "tests/test_benchmarks.py::test_bench_tp_times_tp1_and_tp2_and_compares_their_frames",
+    "python -m scripts.bench_train": "tests/test_benchmarks.py::test_bench_train_times_eager_compiled_and_dense_steps",
     "python -m scripts.generate_data": "tests/test_training.py (every stage of the chain) and test_readme",
     "python -m scripts.train_vae": "tests/test_training.py (every stage of the chain) and test_readme",
     "python -m scripts.encode_latents": "tests/test_training.py (every stage of the chain) and test_readme",
@@ -112,16 +110,3 @@ def test_the_readme_commands_run_in_order(tmp_path):
             "int4.mp4", "p.mp4", "tp2.mp4", "eval"} <= made, made
     assert (tmp_path / "eval" / "ab" / "report.md").exists()
     assert len(ran) >= 14
-
-
-@pytest.mark.parametrize("command", [c for c in shell_commands() if "scripts.bench_" in c])
-def test_benchmark_commands_parse(command):
-    """The benchmarks take minutes even at their smallest sizes (a production-size model on the
-    CPU); here their command lines parse and their modules load."""
-    import importlib
-
-    _, argv = parse(command)
-    module = importlib.import_module(argv[2])
-    with pytest.raises(SystemExit) as stop:
-        module.main(argv[3:] + ["--help"])
-    assert stop.value.code == 0

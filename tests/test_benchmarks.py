@@ -1,0 +1,75 @@
+"""The README's benchmark commands, each run whole at its smallest size: every row it prints is
+measured (a number, not a placeholder), and its report files are written. The figures mean
+nothing at these sizes; the test is that the command works from start to finish."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO, run_main, time_limit
+
+NUMBER = r"\d+(?:\.\d+)?"
+
+
+def bench(module: str, *args, cwd=REPO, quiet_seconds: float = 300, env: dict | None = None):
+    """``python -m scripts.<module> args`` in a child process (compiling benchmarks leave dynamo
+    state behind); asserts exit 0 and no traceback, returns stdout."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWL_") or k == "OWL_THREADS"},
+           "PYTHONPATH": str(REPO), **(env or {})}
+    r = subprocess.run([sys.executable, "-m", f"scripts.{module}", *map(str, args)], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=time_limit(quiet_seconds))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, f"{module} {args}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_bench_compile_measures_eager_and_compiled_modes():
+    out = bench("bench_compile", "--checkpoint", REPO / "checkpoints" / "untrained-tiny", "--frames", 2,
+                "--mode", "bf16 inplace", "--mode", "int8 inplace")
+    for mode in ("bf16 inplace", "int8 inplace"):
+        row = re.search(rf"^{mode} +({NUMBER}) +({NUMBER}) +{NUMBER} / {NUMBER} +(\d+) / (\d+) +{NUMBER}$", out, re.M)
+        assert row, out
+        assert float(row[1]) > 0 and float(row[2]) > 0
+    assert "bf16 roll" not in out  # only the modes asked for
+
+
+def test_bench_tp_times_tp1_and_tp2_and_compares_their_frames(tmp_path):
+    out = bench("bench_tp", "--skip-prod", "--frames", 2, "--warmup", 1, "--exact-frames", 2, "--out", "tp",
+                cwd=tmp_path)
+    report = json.loads((tmp_path / "tp" / "report.json").read_text())
+    assert [r["tp"] for r in report["rows"]] == [1, 1, 2]
+    assert all(r["median_ms"] > 0 and 0 <= r["comm_share"] < 1 for r in report["rows"])
+    assert report["rows"][2]["comm_ms"] > 0  # TP 2 communicates; TP 1 has nothing to time
+    assert report["fp32_frames"] == 2 and report["fp32_max_abs_diff_uint8"] <= 2
+    assert "| shipped, TP 2 (1 thread per rank) |" in out and (tmp_path / "tp" / "report.md").exists()
+
+
+def test_bench_train_times_eager_compiled_and_dense_steps(tmp_path):
+    from .test_world_recipe import tiny_config
+
+    out = bench("bench_train", "--config", tiny_config(tmp_path), "--batch", 1, "--steps", 4)
+    assert re.search(rf"median s/step: eager {NUMBER}, compiled {NUMBER}, eager, one masked attention call {NUMBER}", out), out
+    assert re.search(rf"compiled / eager step time \(median of interleaved rounds\): {NUMBER}", out), out
+
+
+@pytest.mark.skipif(not shutil.which("Xvfb"), reason="needs Xvfb (Debian package xvfb)")
+def test_bench_play_measures_the_window_with_and_without_overlay():
+    env = {"DISPLAY": ""}  # its own Xvfb, on a free display
+    out = bench("bench_play", "--frames", 3, "--scale", 1, env=env)
+    for overlay in ("on ", "off"):
+        assert re.search(rf"overlay {overlay}: total {NUMBER} FPS, pipeline {NUMBER} FPS \(3 frames\)", out), out
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("bench_compile", ["--frames", "0"], "--frames 0 measures nothing"),
+    ("bench_compile", ["--mode", "bf16 rol"], "invalid choice: 'bf16 rol'"),
+    ("bench_tp", ["--warmup", "-1"], "--warmup -1 is below 0"),
+    ("bench_train", ["--steps", "3"], "--steps 3 leaves no measured step"),
+    ("bench_play", ["--frames", "0"], "--frames 0 --scale 4: both must be 1 or more"),
+])
+def test_benchmark_arguments_out_of_range_are_one_line_errors(module, args, message):
+    r = run_main(f"scripts.{module}", args)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
