@@ -99,6 +99,14 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.flo
            "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
 
 
+def native_bf16(device: str) -> bool:
+    """Whether ``device`` computes bf16 at full speed: CUDA, or a CPU with AVX512-BF16 or AMX.
+    (On an AVX2 CPU a bf16 matmul measured 1-3 GFLOP/s against 85-146 in fp32.)"""
+    if not device.startswith("cpu"):
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 @dataclass(frozen=True)
 class Option:
     field: str
@@ -109,10 +117,14 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("device", _device, "auto", "where the model runs (auto: cuda if available)"),
-    Option("dtype", _choice(*_DTYPES), "bf16", "model and cache dtype"),
+    Option("dtype", _choice("auto", *_DTYPES), "auto",
+           "model and cache dtype (auto: bf16 where the hardware computes it, on CUDA or a CPU with "
+           "AVX512-BF16 or AMX; fp32 on other CPUs, where bf16 matmuls run unvectorised)"),
     Option("seed", _int(0), 0, "seed of the noise generator"),
     Option("threads", _int(0, 1024), 0, "CPU threads for torch (0: the machine's physical cores, shared by TP ranks)"),
     Option("compile", _bool, False, "torch.compile the model and the KV codecs' kernels"),
+    Option("frame_graph", _bool, True, "with compile: each generated frame's model call as one graph "
+           "(in-place bf16/int8 rings; 0: a graph per block half)"),
     Option("attn_backend", _choice("auto", "sdpa", "flex"), "auto",
          "attention backend (auto: flex on GPU, sdpa on CPU)"),
     Option("attn_sdpa_decode", _bool, False, "use SDPA for per-frame decode"),
@@ -272,6 +284,7 @@ class Settings:
     seed: int = 0
     threads: int = 0  # CPU threads torch uses (0: not chosen; apps resolve it to the physical cores)
     compile: bool = False
+    frame_graph: bool = True
     attn_backend: str = "sdpa"
     attn_backend_decode: str = "sdpa"
     kv_cache: str = "static"
@@ -324,7 +337,9 @@ class Settings:
             # FlexAttention is fast only when compiled (Triton); eager it runs an unfused
             # reference that made a CUDA frame ~10x slower than SDPA (measured on an H100).
             backend = "flex" if device.startswith("cuda") and v["compile"] else "sdpa"
-        return cls(device=device, dtype=_DTYPES[v["dtype"]], seed=v["seed"], threads=v["threads"], compile=v["compile"],
+        dtype = v["dtype"] if v["dtype"] != "auto" else "bf16" if native_bf16(device) else "fp32"
+        return cls(device=device, dtype=_DTYPES[dtype], seed=v["seed"], threads=v["threads"], compile=v["compile"],
+                   frame_graph=v["frame_graph"],
                    attn_backend=backend, attn_backend_decode="sdpa" if v["attn_sdpa_decode"] else backend,
                    kv_cache=v["kv_cache"], profile_kv=v["profile_kv"],
                    profile_kv_first=v["profile_kv_first"], profile_kv_every=v["profile_kv_every"],
@@ -339,7 +354,8 @@ class Settings:
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         return (f"device={self.device} dtype={dtype} seed={self.seed} threads={self.threads} compile={int(self.compile)} "
-                f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
+                + ("frame_graph=0 " if self.compile and not self.frame_graph else "")
+                + f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
                 + (f"[{self.kv.describe()}] " if self.kv_cache != "none" else "")
                 + (f"recompute_every={self.kv_recompute_every}({self.kv_recompute_anchor}) "
                    if self.kv_recompute_every else "")

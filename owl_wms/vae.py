@@ -18,6 +18,15 @@ class FrameDecoder(nn.Module):
         super().__init__()
         self.autoencoder = autoencoder
         self.latent_channels = latent_channels
+        self._decode = self._decode_sample
+
+    def _decode_sample(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.autoencoder.decode(latents).sample.float().clamp(-1, 1)
+
+    def compile(self, **kwargs):
+        """Decode through torch.compile (one frame's shape: a single graph after the first call)."""
+        self._decode = torch.compile(self._decode_sample, dynamic=False, **kwargs)
+        return self
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -25,8 +34,7 @@ class FrameDecoder(nn.Module):
             raise ValueError(f"decoder input has shape {tuple(latents.shape)}; expected "
                              f"[batch, {self.latent_channels}, h, w]")
         p = next(self.autoencoder.parameters())
-        out = self.autoencoder.decode(latents.to(p.device, p.dtype)).sample
-        return out.float().clamp(-1, 1)
+        return self._decode(latents.to(p.device, p.dtype))
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,18 @@ def test_bench_train_times_eager_compiled_and_dense_steps(tmp_path):
     assert re.search(rf"compiled / eager step time \(median of interleaved rounds\): {NUMBER}", out), out
 
 
+def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path):
+    bench("bench_frame", "--frames", 1, "--warmup", 1, "--profile-frames", 1, "--prod-layers", 0, "--dtype", "fp32",
+          "--json", tmp_path / "frame.json")
+    rows = json.loads((tmp_path / "frame.json").read_text())["rows"]
+    assert [r["path"] for r in rows] == ["eager, int8 in-place", "compiled per block, int8 in-place",
+                                         "frame graph, int8 in-place", "frame graph, bf16 in-place"]
+    assert rows[0]["x_default"] == 1.0 and all(r["x_original"] is None for r in rows)  # no --original given
+    for r in rows:
+        assert r["dtype"] == "float32" and r["calls_ms"] > 0 and r["decode_ms"] > 0 and r["floor_ms"] > 0
+        assert r["end_to_end_ms"] == pytest.approx(r["calls_ms"] + r["decode_ms"]) and 0 <= r["overhead_share"] < 1
+
+
 @pytest.mark.skipif(not shutil.which("Xvfb"), reason="needs Xvfb (Debian package xvfb)")
 def test_bench_play_measures_the_window_with_and_without_overlay():
     env = {"DISPLAY": ""}  # its own Xvfb, on a free display
@@ -69,6 +81,8 @@ def test_bench_play_measures_the_window_with_and_without_overlay():
     ("bench_tp", ["--warmup", "-1"], "--warmup -1 is below 0"),
     ("bench_train", ["--steps", "3"], "--steps 3 leaves no measured step"),
     ("bench_play", ["--frames", "0"], "--frames 0 --scale 4: both must be 1 or more"),
+    ("bench_frame", ["--prod-layers", "17"], "--prod-layers 17: the production model has 16 layers"),
+    ("bench_frame", ["--original", "/nowhere"], "--original /nowhere: no owl_wms/models/gamerft.py there"),
 ])
 def test_benchmark_arguments_out_of_range_are_one_line_errors(module, args, message):
     r = run_main(f"scripts.{module}", args)

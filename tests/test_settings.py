@@ -6,8 +6,13 @@ from owl_wms.settings import Settings, SettingsError
 
 
 def test_defaults_on_cpu():
+    from owl_wms.settings import native_bf16
+
     s = resolve_settings({}, environ={})
-    assert s.device == "cpu" and s.dtype == torch.bfloat16 and s.attn_backend == "sdpa"
+    # auto dtype: bf16 where this CPU computes it natively, fp32 elsewhere (an AVX2 CPU runs bf16 unvectorised)
+    assert s.device == "cpu" and s.dtype == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
+    assert native_bf16("cuda") and resolve_settings({}, environ={"OWL_DTYPE": "bf16"}).dtype == torch.bfloat16
+    assert s.attn_backend == "sdpa"
     assert s.attn_backend_decode == "sdpa" and not s.compile and not s.profile_kv and s.seed == 0
 
 

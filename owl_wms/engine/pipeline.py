@@ -29,6 +29,7 @@ from ..settings import KVSettings, Settings
 from ..vae import FrameDecoder, load_decoder
 from . import snapshot
 from .anchor import RecomputeAnchor
+from .frame_graph import FrameGraph, frame_graph_blocker
 from .lifecycle import Lifecycle, LifecycleError, Phase, StepPlan
 from .nocache import NoCacheHistory
 from .profiler import KVProfiler, NoProfiler
@@ -62,8 +63,14 @@ class CausvidPipeline:
             # around it, so decode shapes are static and nothing recompiles per frame.
             self.core.transformer.compile(dynamic=False)
         self.decoder = decoder.to(self.device).eval() if decoder is not None else None
+        if self.decoder is not None and s.compile:
+            self.decoder.compile()
         self.generator = torch.Generator().manual_seed(s.seed)
         self.kv_plan = plan_layers(self.cache_cfg, s.kv, self.window) if s.kv_cache != "none" else None
+        # With compile, each generated frame's model call is one graph where the cache allows
+        # (frame_graph.py); multi-frame calls (history, recompute) run the per-block path.
+        self.frame_graph_blocker = frame_graph_blocker(s, self.kv_plan, tp)
+        self.frame_graph = FrameGraph(self.core, self.device, s.dtype) if self.frame_graph_blocker is None else None
         profile = s.profile_kv and (tp is None or tp.is_leader)  # rank 0's comm time includes waiting
         self.profiler = KVProfiler.attach(self, tp) if profile else NoProfiler()
         self.cache = None  # built at the first history
@@ -218,9 +225,16 @@ class CausvidPipeline:
             return None
         m, b = dev(plan.mouse.view(1, 1, 2)), dev(plan.buttons.view(1, 1, N_BUTTONS))
         last = len(self.schedule) - 2
+        graph = self.frame_graph
+        control = graph.control(m, b) if graph is not None else None  # once a frame: only t changes
 
         def velocity(x, t, i):
-            v = self._velocity(x, dev(torch.full((1, 1), t)), m, b, write=plan.commit and i == last, bias=plan.bias)
+            write, t = plan.commit and i == last, dev(torch.full((1, 1), t))
+            if graph is not None:
+                self.lifecycle.model_calls += 1
+                v = graph(self.cache, x, t, control, plan.bias, write)
+            else:
+                v = self._velocity(x, t, m, b, write=write, bias=plan.bias)
             self.last_velocity = v
             self.profiler.mark(f"step{i + 1}")
             return v
@@ -343,6 +357,9 @@ def startup_text(pipe) -> str:
     if pipe.kv_plan is not None and pipe.settings.kv != KVSettings():
         text += f"\n[owl] kv plan: {describe_plan(pipe.kv_plan)}"
     s = pipe.settings
+    if s.compile:
+        text += ("\n[owl] compile: each generated frame's model call is one graph" if pipe.frame_graph is not None
+                 else f"\n[owl] compile: a graph per block half (no frame graph: {pipe.frame_graph_blocker})")
     if s.compile and s.device == "cpu" and "flex" in (s.attn_backend, s.attn_backend_decode):
         text += ("\n[owl] compile: FlexAttention stays eager on CPU (inductor's CPU lowering fails for these "
                  "shapes); the rest of every block is compiled")

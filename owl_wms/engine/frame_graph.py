@@ -1,0 +1,182 @@
+"""A generated frame's model call as one compiled graph (compile on, in-place bf16/int8 rings).
+
+At batch 1 a frame is bound by the host: the per-block path enters compiled code twice per
+block and runs the cache's bookkeeping, RoPE and conditioning eagerly around it. Here one call
+of the model on one frame (conditioning, every block, each ring's write and read, attention,
+the output layer) is one ``torch.compile(fullgraph=True, dynamic=False)`` region, and what
+changes from call to call enters it as tensors, so it never recompiles:
+
+- the frame's absolute index: RoPE angles are made from it on the device, in float64
+  (angle = index x per-frame step + angle of frame 0), so large positions keep their precision;
+- each ring's written and valid frame counts: the slot written (index mod capacity) and the
+  slots visible (age below the valid count) follow on the device;
+- the soft-forgetting bias, added to every visible slot but the frame's own;
+- the timestep; the control embedding is made once per frame (only t changes between the
+  two calls of a frame).
+
+Both calls of a frame write the frame's K/V into the slot the committing call owns (as the
+eager in-place ring does); only the host's bookkeeping (counts, slot tags, the int8 tallies)
+tells a committed write from a scratch one. The host keeps that bookkeeping exactly as the
+eager path does, so prefill, hard cuts, recomputes, snapshots and the other modes share the
+one cache. On CUDA the graph is captured by torch.compile's CUDA graphs (mode
+"reduce-overhead"), its inputs copied into static buffers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from ..cache import QuantizedStaticCache
+from ..layouts import Layout
+from ..quant import _ring_tensor, eager_division
+
+CODECS = ("bf16", "int8")  # the default modes: plain or one-pass int8 rings
+
+
+def frame_graph_blocker(settings, plans, tp) -> str | None:
+    """Why a pipeline with these settings and cache plans cannot run the frame graph (None: it can)."""
+    if not settings.compile:
+        return "compile is off"
+    if not settings.frame_graph:
+        return "frame_graph is off"
+    if tp is not None:
+        return "tensor parallelism all-reduces inside the blocks"
+    if plans is None:
+        return "no KV cache"
+    if settings.kv.ring_mode != "inplace":
+        return f"ring_mode is {settings.kv.ring_mode}, not inplace"
+    if settings.kv.guard:
+        return "the ring guard checks every write on the host"
+    for p in plans:
+        if p.owner != p.layer:
+            return "layers share K/V (kv_share)"
+        for codec, policy in (p.k, p.v):
+            if codec not in CODECS:
+                return f"{codec} storage (the graph covers {' and '.join(CODECS)})"
+            if codec != "bf16" and (policy.temporal or policy.percentile not in (None, 100)):
+                return f"{policy.describe()} scales depend on earlier frames or percentiles"
+    return None
+
+
+class FrameGraph:
+    """One generated frame's model call as one compiled graph over the pipeline's in-place ring."""
+
+    def __init__(self, core, device: torch.device, dtype: torch.dtype):
+        self.core, self.device, self.dtype = core, device, dtype
+        cfg = core.config
+        self.tpf, self.uncond = cfg.tokens_per_frame, cfg.uncond
+        # angle(frame) = frame * step + base: RoPE angles are affine in the frame index
+        base = core.rope.angles(0, self.tpf)
+        self.rope_base = base.to(device)
+        self.rope_step = (core.rope.angles(self.tpf, self.tpf) - base).to(device)
+        self.frame = torch.zeros((), dtype=torch.int64, device=device)
+        self.bias = torch.zeros((), dtype=torch.float32, device=device)
+        self.counts = None  # [layers, 2] int64: each ring's (written, valid) frames, made with the cache
+        self.slots = {}  # capacity -> arange(capacity) on the device
+        self.values_per_frame = cfg.n_heads * self.tpf * cfg.head_dim  # K or V inputs of one write
+        options = eager_division()  # in-graph quantization rounds as the eager codec does
+        if device.type == "cuda":
+            options["triton.cudagraphs"] = True  # replayed as a CUDA graph (mode "reduce-overhead")
+        self.call = torch.compile(self._call, fullgraph=True, dynamic=False, options=options)
+        self.controls = torch.compile(self._controls, fullgraph=True, dynamic=False)
+        self.calls = 0
+
+    # -- the graphs ------------------------------------------------------------------------------
+    def _controls(self, mouse, buttons):
+        return self.core.control_embed(mouse, buttons)
+
+    def _call(self, x, t, control, frame, counts, bias, rings: list, tallies: list):
+        core, tpf = self.core, self.tpf
+        b, n, c, h, w = x.shape
+        cond = core.t_embed(t) if control is None else core.t_embed(t) + control
+        tokens = core.proj_in(rearrange(x, "b n c h w -> b (n h w) c").to(core.proj_in.weight.dtype))
+        angles = frame.to(torch.float64) * self.rope_step + self.rope_base
+        cos, sin = angles.cos().float(), angles.sin().float()
+        new_tallies = []
+        for i, block in enumerate(core.transformer.blocks):
+            q, k, v = block.attn.project(block.adaln1(tokens, cond), cos, sin)
+            written, valid = counts[i, 0], counts[i, 1]
+            (k_buf, k_scale, k_work, k_spec), (v_buf, v_scale, v_work, v_spec) = rings[i]
+            capacity = k_buf.shape[2]
+            slot = torch.remainder(written, capacity).view(1)
+            keys, tk = self._ring(k, k_buf, k_scale, k_work, k_spec, slot, tallies[i][0])
+            values, tv = self._ring(v, v_buf, v_scale, v_work, v_spec, slot, tallies[i][1])
+            new_tallies.append((tk, tv))
+            # the frame's own slot has age 0; a slot is visible while its age is below the
+            # frames present after this write (the valid ones and this one, at most the ring)
+            age = torch.remainder(written - self.slots[capacity], capacity)
+            present = torch.clamp(valid + 1, max=capacity)
+            add = torch.where(age < present, torch.where(age == 0, torch.zeros_like(bias), bias),
+                              torch.full_like(bias, float("-inf")))
+            mask = add.repeat_interleave(tpf)[None].to(q.dtype)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
+            tokens = tokens + block.gate1(block.attn.out(rearrange(y, "b h t d -> b t (h d)")), cond)
+            tokens = tokens + block.gate2(block.mlp(block.adaln2(tokens, cond)), cond)
+        out = core.proj_out(tokens, cond)
+        return rearrange(out, "b (n h w) c -> b n c h w", n=n, h=h, w=w), new_tallies
+
+    def _ring(self, x, buf, scale, work, spec, slot, tally):
+        """This frame's K or V [b, h, tpf, dh] into ring slot ``slot``; the ring as attention reads
+        it [b, h, capacity * tpf, dh] (a quantized ring decoded into ``work``) and the tally."""
+        b, heads, _, dh = x.shape
+        frame = x.view(b, heads, 1, self.tpf, dh)
+        if spec is None:  # plain ring: attention reads the storage itself
+            buf.index_copy_(2, slot, frame)
+            return buf.flatten(2, 3), tally
+        codec, dims, floor = spec
+        tally = _ring_tensor(frame, buf, scale, slot, work.view(*buf.shape[:-1], -1), tally, codec, dims, floor)
+        return work, tally
+
+    # -- one call --------------------------------------------------------------------------------
+    def control(self, mouse, buttons):
+        """The frame's control embedding [1, 1, d] (None for an unconditional model)."""
+        return None if self.uncond else self.controls(mouse, buttons)
+
+    def __call__(self, cache: QuantizedStaticCache, x, t, control, bias: float, commit: bool) -> torch.Tensor:
+        """Velocity [1, 1, c, h, w] of one frame ``x`` at timestep ``t`` [1, 1]; writes the frame
+        into each ring's next slot, and with ``commit`` makes it part of the history."""
+        rings, tallies, counts = [], [], []
+        for layer, store in cache.stores.items():
+            entry, tally = [], []
+            for name, q in zip("kv", cache.quant[layer]):
+                if q.quantized:
+                    work = cache._work(store.capacity)[0 if name == "k" else 1]
+                    entry.append((store.bufs[name], store.bufs[f"{name}_scale"], work,
+                                  (q.codec, q.policy.dims, q.policy.floor)))
+                    tally.append(q.tally_tensor(self.device))
+                else:
+                    entry.append((store.bufs[name], None, None, None))
+                    tally.append(None)
+            rings.append(entry)
+            tallies.append(tally)
+            counts.append((store.written, store.length))
+            if store.capacity not in self.slots:
+                self.slots[store.capacity] = torch.arange(store.capacity, device=self.device)
+        if self.counts is None or self.counts.shape[0] != len(counts):
+            self.counts = torch.zeros(len(counts), 2, dtype=torch.int64, device=self.device)
+        self.counts.copy_(torch.tensor(counts, dtype=torch.int64))
+        self.frame.fill_(cache.stores[0].written)
+        self.bias.fill_(float(bias))
+        velocity, new_tallies = self.call(x, t, control, self.frame, self.counts, self.bias, rings, tallies)
+        self.calls += 1
+        for (layer, store), (tk, tv) in zip(cache.stores.items(), new_tallies):
+            self._account(cache, layer, store, commit, tk, tv)
+        return velocity
+
+    def _account(self, cache, layer, store, commit: bool, tk, tv):
+        """The host's bookkeeping of one ring write, as the eager in-place ring keeps it."""
+        if commit:
+            cache.layout.write(store, None, 1)
+            for q, tally in zip(cache.quant[layer], (tk, tv)):
+                if q.quantized:
+                    q.committed(cache.batch_size * self.values_per_frame, tally)
+        else:  # a scratch frame: the committing call of this frame writes the same slot
+            slot = cache.layout.pointer(store)
+            for name in store.bufs:
+                Layout._put(store, name, None, slot, store.written)
+            if store.length == store.capacity:
+                store.length -= 1  # the oldest frame's slot now holds this frame
+        cache._last_read[layer] = not commit

@@ -1,0 +1,306 @@
+"""Milliseconds per frame of every path, side by side in one run: the original implementation's
+eager loop, today's eager default, the compiled graph per block half, and the frame graph.
+
+    python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--original PATH] [--json out.json]
+
+Per model (the shipped world; a production-shaped GameRFT, d_model 1536, 24 heads, 64 tokens a
+frame, a 60-frame window, random weights, ``--prod-layers`` of its 16 layers), each path is
+prefilled with the same history and then makes the same frames, the paths taking turns frame by
+frame so drift in the machine's speed touches every ratio alike. Reported per path:
+
+- ms for a frame's two model calls (median), and end to end with the decoder (shipped world);
+- the share of Python and launch overhead: 1 - (time inside ATen ops and compiled kernels) /
+  wall time, from torch.profiler over a few frames;
+- the floor: the frame's FLOPs (torch.utils.flop_counter) over this machine's measured matmul
+  rate in the model's dtype.
+
+``--original PATH``: a checkout of Wayfarer-Labs/owl-wms, branch laptop_inference_v2_bf16 (needs
+rotary-embedding-torch). Its GameRFTCore, StaticCache and two-step loop run on the same weights,
+driven from here: its modules load under another package name, and its FlexAttention runs
+eagerly (compiled FlexAttention does not build on a CPU), as the original's CPU loop did.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+# (path, OWL_* flags); the first is what the app ran by default before the frame graph (in bf16)
+OURS = [("eager, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}),
+        ("compiled per block, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace",
+                                               "OWL_COMPILE": "1", "OWL_FRAME_GRAPH": "0"}),
+        ("frame graph, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace", "OWL_COMPILE": "1"}),
+        ("frame graph, bf16 in-place", {"OWL_RING_MODE": "inplace", "OWL_COMPILE": "1"})]
+ORIGINAL = "original eager loop, roll cache"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WALK = ([1.0, 0.0], [1] + [0] * 10)
+
+
+class Ours:
+    """One of this repo's paths: a pipeline on its own copy of the model and decoder."""
+
+    def __init__(self, name, flags, model, decoder, world, history, dtype, device):
+        from inference.causvid_pipeline import CausvidPipeline
+        from inference.flags import resolve_settings, with_threads
+        from owl_wms.settings import without_kv
+
+        settings = with_threads(resolve_settings(without_kv(world.inference), {**flags, "OWL_DEVICE": device}))
+        self.name, self.dtype = name, dtype
+        self.pipe = CausvidPipeline(copy.deepcopy(model), copy.deepcopy(decoder), world,
+                                    settings.replace(dtype=dtype), verbose=False)
+        self.pipe.prefill(*history)
+
+    def frame(self):
+        return self.pipe.generate(*WALK)
+
+    def decode(self, latent):
+        return self.pipe.decode(latent)
+
+
+def load_original(path: Path):
+    """The original's modules under the package name ``original_owl_wms`` (its imports are
+    relative), its FlexAttention rebound to the eager implementation."""
+    root = path / "owl_wms"
+    if not (root / "models" / "gamerft.py").is_file():
+        raise SystemExit(f"error: --original {path}: no owl_wms/models/gamerft.py there; give a checkout of "
+                         "Wayfarer-Labs/owl-wms (branch laptop_inference_v2_bf16)")
+    pkg = types.ModuleType("original_owl_wms")
+    pkg.__path__ = [str(root)]
+    sys.modules["original_owl_wms"] = pkg
+    try:
+        attn = importlib.import_module("original_owl_wms.nn.attn")
+        gamerft = importlib.import_module("original_owl_wms.models.gamerft")
+        kv_cache = importlib.import_module("original_owl_wms.nn.kv_cache")
+        rope = importlib.import_module("original_owl_wms.nn.rope")
+    except ImportError as e:
+        raise SystemExit(f"error: --original {path}: {e}; the original needs it (pip install rotary-embedding-torch)")
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    attn.flex_attention, attn.create_block_mask = flex_attention, create_block_mask
+    return gamerft.GameRFTCore, kv_cache.StaticCache, rope.cast_rope_buffers_to_fp32
+
+
+class Original:
+    """The original's two-step loop over its StaticCache (its CausvidPipeline's calls)."""
+
+    def __init__(self, classes, model, decoder, world, history, dtype, device):
+        from omegaconf import OmegaConf
+
+        from owl_wms.controls import N_BUTTONS
+
+        core_cls, cache_cls, fp32_rope = classes
+        cfg = model.config
+        self.cfg = OmegaConf.create({**{k: getattr(cfg, k) for k in (
+            "sample_size", "channels", "n_layers", "n_heads", "d_model", "tokens_per_frame", "n_frames", "causal",
+            "uncond", "rope_impl", "local_window", "global_window", "local_idx")},
+            "n_buttons": N_BUTTONS, "n_mouse_axes": 2, "backbone": "dit", "has_audio": False,
+            "rope_ats_delta": float(cfg.rope_ats_delta), "model_id": "game_rft", "cfg_prob": 0.0})
+        if cfg.rope_impl == "motion":  # its rotary table ends after n_frames frames; motion angles do not depend on it
+            self.cfg.n_frames = max(cfg.n_frames, 4096)
+        self.core = core_cls(self.cfg).to(device, dtype).eval()
+        fp32_rope(self.core)  # as its pipeline does: rotary tables stay float32
+        self.core.load_state_dict(model.core.state_dict())
+        self.name, self.device, self.dtype = ORIGINAL, device, dtype
+        self.decoder = decoder
+        window = world.pipeline.window_frames
+        self.cache = cache_cls(self.cfg, max_length=window, batch_size=1, device=device, dtype=dtype)
+        x, mouse, buttons = (t[None].to(device, dtype) for t in history)
+        with torch.no_grad():
+            self.core.transformer.disable_decoding()
+            self.cache.enable_cache_updates()
+            self.core(x, torch.full((1, window), world.pipeline.history_alpha, device=device, dtype=dtype), mouse,
+                      buttons, kv_cache=self.cache)
+            self.cache.disable_cache_updates()
+            self.core.transformer.enable_decoding()
+        self.gen = torch.Generator().manual_seed(0)
+        self.mouse = torch.tensor(WALK[0], dtype=dtype, device=device).view(1, 1, 2)
+        self.buttons = torch.tensor(WALK[1], dtype=dtype, device=device).view(1, 1, N_BUTTONS)
+
+    @torch.no_grad()
+    def frame(self):
+        c, s = self.cfg.channels, self.cfg.sample_size
+        z = torch.randn(1, 1, c, s, s, generator=self.gen).to(self.device, self.dtype)
+        t = lambda v: torch.full((1, 1), v, device=self.device, dtype=self.dtype)  # noqa: E731
+        v1 = self.core(z, t(1.0), self.mouse, self.buttons, kv_cache=self.cache)
+        x = z - 0.75 * v1
+        self.cache.enable_cache_updates()
+        v2 = self.core(x, t(0.25), self.mouse, self.buttons, kv_cache=self.cache)
+        self.cache.disable_cache_updates()
+        return x - 0.25 * v2
+
+    def decode(self, latent):
+        return self.decoder.decode(latent)  # this repo's pipeline decoding (the same eager decoder)
+
+
+def matmul_rate(dtype, device, n: int = 512) -> float:
+    """This machine's matmul rate (FLOP/s) in ``dtype``: the best of a few timings of n x n x n."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    best = float("inf")
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            a @ b
+        sync(device)
+        best = min(best, (time.perf_counter() - t0) / 2)
+    return 2 * n ** 3 / best
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def frame_flops(path) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        path.frame()
+    return counter.get_total_flops()
+
+
+def overhead_share(path, frames: int, device) -> float:
+    """1 - (self time of ATen ops and compiled kernels) / wall time, over ``frames`` frames."""
+    import torch._inductor.config as inductor
+    from torch.profiler import ProfilerActivity, profile
+
+    assert inductor.cpp.enable_kernel_profile  # set before anything compiled: kernels show as events
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(frames):
+            path.frame()
+        sync(device)
+    wall = time.perf_counter() - t0
+    busy = sum(e.self_cpu_time_total for e in prof.key_averages()
+               if e.key.startswith(("aten::", "cpp_fused", "graph_")) or "kernel" in e.key) / 1e6
+    return max(0.0, 1 - busy / wall)
+
+
+def run_model(label, model, decoder, world, args, classes) -> list[dict]:
+    from owl_wms.controls import no_controls
+
+    g = torch.Generator().manual_seed(0)
+    cfg, window = model.config, world.pipeline.window_frames
+    history = (torch.randn(window, cfg.channels, cfg.sample_size, cfg.sample_size, generator=g), *no_controls(window))
+    paths = []
+    for dtype_name in args.dtype:
+        dtype = DTYPES[dtype_name]
+        if classes is not None:
+            eager_decoder = None
+            if decoder is not None:  # the original's frames are decoded by this repo's eager pipeline
+                eager_decoder = Ours(OURS[0][0], OURS[0][1], model, decoder, world, history, dtype, args.device)
+            paths.append(Original(classes, model, eager_decoder, world, history, dtype, args.device))
+        paths += [Ours(name, flags, model, decoder, world, history, dtype, args.device) for name, flags in OURS]
+    print(f"\n{label}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, window {window} frames, "
+          f"{cfg.tokens_per_frame} tokens a frame; warm-up ({args.warmup} frames each, compiles) ...", flush=True)
+    for _ in range(args.warmup):
+        for p in paths:
+            p.decode(p.frame()) if decoder is not None else p.frame()
+    calls, decodes = ([[] for _ in paths] for _ in range(2))
+    for _ in range(args.frames):  # the paths take turns, frame by frame
+        for i, p in enumerate(paths):
+            sync(args.device)
+            t0 = time.perf_counter()
+            latent = p.frame()
+            sync(args.device)
+            t1 = time.perf_counter()
+            if decoder is not None:
+                p.decode(latent)
+                sync(args.device)
+                decodes[i].append(time.perf_counter() - t1)
+            calls[i].append(t1 - t0)
+    reference = 1000 * statistics.median(calls[paths.index(next(p for p in paths if p.name == OURS[0][0]))])
+    rows, floors = [], {}
+    for i, p in enumerate(paths):
+        dtype_name = str(p.dtype).removeprefix("torch.")
+        if dtype_name not in floors:
+            rate = matmul_rate(p.dtype, args.device)
+            flops = frame_flops(next(q for q in paths if q.name == OURS[0][0] and q.dtype == p.dtype))
+            floors[dtype_name] = (flops, rate, 1000 * flops / rate)
+        flops, rate, floor_ms = floors[dtype_name]
+        ms = 1000 * statistics.median(calls[i])
+        decode_ms = 1000 * statistics.median(decodes[i]) if decodes[i] else None
+        original = next((r for r in rows if r["path"] == ORIGINAL and r["dtype"] == dtype_name), None)
+        rows.append({"model": label, "path": p.name, "dtype": dtype_name, "calls_ms": ms, "decode_ms": decode_ms,
+                     "end_to_end_ms": ms + decode_ms if decode_ms is not None else None,
+                     "x_default": reference / ms, "x_original": original["calls_ms"] / ms if original else None,
+                     "x_floor": ms / floor_ms, "overhead_share": overhead_share(p, args.profile_frames, args.device),
+                     "flops": flops, "matmul_gflops": rate / 1e9, "floor_ms": floor_ms})
+    for dtype_name, (flops, rate, floor_ms) in floors.items():
+        print(f"{dtype_name}: frame FLOPs (two calls) {flops / 1e6:.0f} M; matmul rate {rate / 1e9:.1f} GFLOP/s: "
+              f"floor {floor_ms:.2f} ms")
+    print(f"x default: against {OURS[0][0]} in {args.dtype[0]} (the app's default before the frame graph); "
+          "x original: against the original in the same dtype")
+    print(f"{'path':<36} {'dtype':>8} {'calls ms':>9} {'decode ms':>10} {'FPS':>6} {'x default':>10} "
+          f"{'x original':>11} {'x floor':>8} {'overhead':>9}")
+    for r in rows:
+        dec = f"{r['decode_ms']:.2f}" if r["decode_ms"] is not None else "-"
+        fps = f"{1000 / r['end_to_end_ms']:.1f}" if r["end_to_end_ms"] else "-"
+        x_orig = f"{r['x_original']:.2f}" if r["x_original"] else "-"
+        print(f"{r['path']:<36} {r['dtype']:>8} {r['calls_ms']:>9.2f} {dec:>10} {fps:>6} {r['x_default']:>10.2f} "
+              f"{x_orig:>11} {r['x_floor']:>8.1f} {100 * r['overhead_share']:>8.0f}%")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, default=24, help="measured frames per path (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--profile-frames", type=int, default=4, help="frames per path under torch.profiler")
+    p.add_argument("--prod-layers", type=int, default=2, help="layers of the production-shaped model (0: skip it)")
+    p.add_argument("--original", type=Path, default=None, help="a checkout of the original (see above)")
+    p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES),
+                   help="dtypes to run every path in (the first is the reference's)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    for flag, value, least in (("--frames", args.frames, 1), ("--warmup", args.warmup, 1),
+                               ("--profile-frames", args.profile_frames, 1), ("--prod-layers", args.prod_layers, 0)):
+        if value < least:
+            raise SystemExit(f"error: {flag} {value} is below {least}; use {least} or more")
+    if args.prod_layers > 16:
+        raise SystemExit(f"error: --prod-layers {args.prod_layers}: the production model has 16 layers")
+    import torch._dynamo.config as dynamo
+    import torch._inductor.config as inductor
+
+    inductor.cpp.enable_kernel_profile = True  # compiled kernels appear in the profiler (overhead share)
+    # Every path of both models in every dtype compiles in this one process: more graphs per
+    # function than an app ever makes (it runs one model in one dtype).
+    dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 256
+    from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig, load_world
+    from owl_wms.loading import SHIPPED_WORLD, build_model, load_weights, read_weights
+    from owl_wms.model import GameRFT
+    from owl_wms.vae import load_decoder
+
+    from .common import machine
+
+    classes = load_original(args.original) if args.original is not None else None
+    command = "python -m scripts.bench_frame " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"command: {command.rstrip()}\ntorch {torch.__version__}; machine: {machine()}; device {args.device}")
+    world = load_world(SHIPPED_WORLD)
+    model = load_weights(build_model(world.model), read_weights(world.path.parent / "model.safetensors").tensors, "shipped")
+    rows = run_model("shipped world", model, load_decoder(world), world, args, classes)
+    if args.prod_layers:
+        cfg = ModelConfig.from_mapping({**PRODUCTION, "n_layers": args.prod_layers})
+        torch.manual_seed(0)
+        prod = GameRFT(cfg)
+        prod_world = WorldConfig(model=cfg, vae_scale=1.0, pipeline=PipelineConfig(window_frames=60),
+                                 decoder=DecoderConfig(), name="production-shaped-random")
+        rows += run_model(f"production-shaped, {args.prod_layers} of 16 layers (denoise only)", prod, None, prod_world,
+                          args, classes)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "machine": machine(), "torch": torch.__version__,
+                                               "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""A generated frame's model call as one compiled graph (owl_wms/engine/frame_graph.py): the
+frames of the eager step within float rounding, the same frames run to run, and no graph break
+and no recompile across ring wrap-arounds, hard cuts, recomputes and attention-bias changes."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from inference.causvid_pipeline import CausvidPipeline
+from owl_wms.rope import make_rope
+from owl_wms.settings import KVSettings
+
+from .conftest import fp32_settings, random_model, tiny_config, tiny_world
+
+@pytest.fixture(autouse=True)
+def compile_or_fail():
+    """A graph that stops compiling (dynamo's recompile limit) would run eagerly and make
+    "no recompile" hold vacuously: here it fails instead."""
+    import torch._dynamo.config
+
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+
+
+WINDOW = 5  # ring slots of the global layer; the local layers hold 3 (tiny_config's local window)
+# Compiled float sums round differently from eager ones; an int8 ring can then store a value one
+# code step away (under 1% of the token's largest value).
+TOLERANCE = {"bf16": 1e-4, "int8": 2e-3}
+
+
+def pipeline(storage: str, compile: bool, **settings) -> CausvidPipeline:
+    cfg = tiny_config()
+    kv = KVSettings(ring_mode="inplace", fmt_k=storage, fmt_v=storage)
+    pipe = CausvidPipeline(random_model(cfg), None, tiny_world(cfg, WINDOW),
+                           fp32_settings(compile=compile, kv=kv, **settings), verbose=False)
+    pipe.prefill(*history(cfg, seed=1))
+    return pipe
+
+
+def history(cfg, seed: int, frames: int = WINDOW):
+    g = torch.Generator().manual_seed(seed)
+    c, s = cfg.channels, cfg.sample_size
+    return (torch.randn(frames, c, s, s, generator=g), torch.randn(frames, 2, generator=g),
+            (torch.rand(frames, 11, generator=g) > 0.5).float())
+
+
+def play(pipe, frames: int, seed: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([pipe.generate(torch.randn(2, generator=g) * 3, (torch.rand(11, generator=g) > 0.7).float())
+                      for _ in range(frames)], dim=1)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_the_graph_gives_the_eager_frames_within_float_rounding(storage):
+    """Three wrap-arounds of every ring (15 frames over 5 and 3 slots), then a fresh history."""
+    eager, compiled = pipeline(storage, False), pipeline(storage, True)
+    assert eager.frame_graph is None and compiled.frame_graph is not None
+    a, b = play(eager, 3 * WINDOW), play(compiled, 3 * WINDOW)
+    assert compiled.frame_graph.calls == 2 * 3 * WINDOW  # every generated frame's two calls ran the graph
+    assert (a - b).abs().max() <= TOLERANCE[storage]
+    for pipe in (eager, compiled):
+        pipe.prefill(*history(pipe.cfg, seed=3, frames=2))  # a short history: rings not yet full
+    assert (play(eager, 4) - play(compiled, 4)).abs().max() <= TOLERANCE[storage]
+    assert eager.cache.quant_stats() == compiled.cache.quant_stats()  # the same writes were committed
+
+
+def test_the_graph_gives_the_same_frames_run_to_run():
+    first, second = (play(pipeline("int8", True), 2 * WINDOW) for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_no_graph_break_or_recompile_across_wraps_cuts_recomputes_and_bias():
+    pipe = pipeline("int8", True, kv_recompute_every=4)
+    cfg = pipe.cfg
+
+    def session():
+        play(pipe, 3 * WINDOW)  # three wrap-arounds, with a recompute every 4 frames
+        pipe.kv_cache_attention_bias = -1.0  # soft forgetting, live
+        play(pipe, 2)
+        pipe.kv_cache_attention_bias = 0.0
+        pipe.generate([0.0, 0.0], [0] * 11, commit=False)  # teacher forcing's uncommitted frame
+        pipe.observe(torch.randn(1, 1, cfg.channels, cfg.sample_size, cfg.sample_size), [0.0, 0.0], [0] * 11)
+        pipe.hard_cut(*history(cfg, seed=4))
+
+    session()  # warm-up: every shape and path once
+    graphs, breaks, calls = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), pipe.frame_graph.calls
+    session()
+    assert pipe.frame_graph.calls - calls == 2 * (3 * WINDOW + 2 + 1)
+    assert counters["stats"]["unique_graphs"] == graphs, "the frame graph recompiled"
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("settings, reason", [
+    (dict(kv=KVSettings(ring_mode="roll", fmt_k="int8", fmt_v="int8")), "ring_mode is roll, not inplace"),
+    (dict(kv=KVSettings(ring_mode="inplace", fmt_k="fp8_e4m3", fmt_v="fp8_e4m3")), "fp8_e4m3 storage"),
+    (dict(kv=KVSettings(ring_mode="inplace", share=2)), "layers share K/V"),
+    (dict(kv=KVSettings(ring_mode="inplace"), frame_graph=False), "frame_graph is off"),
+])
+def test_other_modes_run_the_per_block_path_and_say_so_at_start_up(settings, reason, capsys):
+    cfg = tiny_config()
+    pipe = CausvidPipeline(random_model(cfg), None, tiny_world(cfg, WINDOW), fp32_settings(compile=True, **settings))
+    assert pipe.frame_graph is None and reason in pipe.frame_graph_blocker
+    assert f"a graph per block half (no frame graph: {reason}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rope_impl", ["motion", "ortho"])
+def test_device_rope_angles_keep_their_precision_at_large_positions(rope_impl):
+    """The graph makes angles as frame x step + base in float64; at frame 10^6 they agree with
+    the host's direct angles far below float32's resolution."""
+    cfg = tiny_config(rope_impl=rope_impl)
+    rope, tpf = make_rope(cfg), cfg.tokens_per_frame
+    base = rope.angles(0, tpf)
+    step = rope.angles(tpf, tpf) - base
+    for frame in (7, 10**6):
+        assert (frame * step + base - rope.angles(frame * tpf, tpf)).abs().max() < 1e-7
