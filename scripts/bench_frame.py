@@ -269,6 +269,7 @@ def main(argv=None):
             raise SystemExit(f"error: {flag} {value} is below {least}; use {least} or more")
     if args.prod_layers > 16:
         raise SystemExit(f"error: --prod-layers {args.prod_layers}: the production model has 16 layers")
+    classes = load_original(args.original) if args.original is not None else None
     import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
 
@@ -283,7 +284,6 @@ def main(argv=None):
 
     from .common import machine
 
-    classes = load_original(args.original) if args.original is not None else None
     command = "python -m scripts.bench_frame " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"command: {command.rstrip()}\ntorch {torch.__version__}; machine: {machine()}; device {args.device}")
     world = load_world(SHIPPED_WORLD)

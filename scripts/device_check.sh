@@ -12,7 +12,13 @@
 #    train_world), so the stages that take --device are known to run there;
 # 4. bench_compile --device cuda: eager vs OWL_COMPILE=1 per cache mode, and recompiles
 #    after warm-up (0 = none in steady state);
-# 5. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model.
+# 5. bench_frame --device cuda: ms a frame of the production-shaped model (16 layers, bf16): eager,
+#    per-block compile and the frame graph replayed as a CUDA graph, int8 and bf16 in-place rings;
+# 6. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model.
+#
+# The GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg: put their wheels in
+# .whl/ (docs/turning.md says how) and carry it; they are installed to /tmp/site first. The step
+# limits add up to 9 minutes, inside one 10-minute device call.
 #
 # STEPS="tests chain" runs only those steps. Each step has its own time limit in seconds
 # (STEP_LIMIT_SCALE=2 doubles them all), so one hang cannot eat the others; each step's log is
@@ -25,7 +31,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 failed=()
 
-STEPS=" ${STEPS:-tests bench_kv chain bench_compile bench_pipeline} "  # a subset: STEPS="tests bench_pipeline"
+STEPS=" ${STEPS:-tests bench_kv chain bench_compile bench_frame bench_pipeline} "  # a subset: STEPS="tests bench_pipeline"
 
 step() {  # step NAME LIMIT_S COMMAND...
     local name=$1 limit=$2
@@ -42,17 +48,24 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 
 nvidia-smi -L
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
 
-step tests 90 $PY -m pytest -q -p no:cacheprovider tests/test_kv_quant.py -k cuda
-step bench_kv 360 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 10 --matrix-frames 32 --json "$OUT/bench_kv.json"
+# -o addopts= : the suite's pytest-xdist options, which the GPU machine's pytest may not know
+step tests 60 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py -k cuda
+step bench_kv 150 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
 tmp=$(mktemp -d)
-step chain 70 bash -c "set -e
+step chain 60 bash -c "set -e
     $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
     $PY -m scripts.train_vae --data $tmp/data --out $tmp/vae --steps 20 --batch 8 --held-out 1 --save-every 20 --device cuda
     $PY -m scripts.encode_latents --data $tmp/data --vae checkpoints/maze-world/vae --out $tmp/latents --device cuda
     $PY -m scripts.train_world --latents $tmp/latents --out $tmp/world --steps 20 --batch 2 --save-every 20 --device cuda"
-step bench_compile 190 $PY -m scripts.bench_compile --device cuda --frames 16 --json "$OUT/bench_compile.json"
+step bench_compile 90 $PY -m scripts.bench_compile --device cuda --frames 16 --mode "bf16 roll" --mode "int8 inplace" \
+    --mode "bf16 inplace" --json "$OUT/bench_compile.json"
+step bench_frame 120 $PY -m scripts.bench_frame --device cuda --dtype bf16 --frames 16 --prod-layers 16 \
+    --json "$OUT/bench_frame.json"
 step bench_pipeline 60 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
     --json "$OUT/bench_pipeline.json"
 

@@ -87,3 +87,13 @@ def test_bench_play_measures_the_window_with_and_without_overlay():
 def test_benchmark_arguments_out_of_range_are_one_line_errors(module, args, message):
     r = run_main(f"scripts.{module}", args)
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_gpu_check_fits_one_ten_minute_device_call():
+    """scripts/device_check.sh: valid bash, and its steps' time limits add up to at most 9 minutes
+    (a device call may run 10), with the benchmarks above among its steps."""
+    script = REPO / "scripts" / "device_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    steps = re.findall(r"^step (\w+) (\d+) ", script.read_text(), re.M)
+    assert {"tests", "bench_kv", "bench_compile", "bench_frame", "bench_pipeline"} <= {name for name, _ in steps}
+    assert sum(int(limit) for _, limit in steps) <= 9 * 60

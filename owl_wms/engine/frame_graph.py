@@ -83,6 +83,7 @@ class FrameGraph:
         self.call = torch.compile(self._call, fullgraph=True, dynamic=False, options=options)
         self.controls = torch.compile(self._controls, fullgraph=True, dynamic=False)
         self.calls = 0
+        self._timesteps: dict[float, torch.Tensor] = {}
 
     # -- the graphs ------------------------------------------------------------------------------
     def _controls(self, mouse, buttons):
@@ -131,6 +132,20 @@ class FrameGraph:
         return work, tally
 
     # -- one call --------------------------------------------------------------------------------
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor the graph reads, put on the device without waiting for it: from pinned
+        memory, asynchronously on CUDA (nothing syncs between a frame's two calls)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def timestep(self, t: float) -> torch.Tensor:
+        """The timestep t as a [1, 1] device tensor, made once per value."""
+        value = self._timesteps.get(t)
+        if value is None:
+            value = self._timesteps[t] = torch.full((1, 1), t, dtype=self.dtype, device=self.device)
+        return value
+
     def control(self, mouse, buttons):
         """The frame's control embedding [1, 1, d] (None for an unconditional model)."""
         return None if self.uncond else self.controls(mouse, buttons)
@@ -157,7 +172,13 @@ class FrameGraph:
                 self.slots[store.capacity] = torch.arange(store.capacity, device=self.device)
         if self.counts is None or self.counts.shape[0] != len(counts):
             self.counts = torch.zeros(len(counts), 2, dtype=torch.int64, device=self.device)
-        self.counts.copy_(torch.tensor(counts, dtype=torch.int64))
+        self.counts.copy_(self._upload(torch.tensor(counts, dtype=torch.int64)), non_blocking=True)
+        if self.device.type == "cuda":  # CUDA graphs replay over fixed addresses: the mutated buffers are static
+            from torch._dynamo import mark_static_address
+
+            for buf in (self.counts, self.frame, self.bias, *(b for entry in rings for ring in entry
+                                                              for b in ring[:3] if b is not None)):
+                mark_static_address(buf)
         self.frame.fill_(cache.stores[0].written)
         self.bias.fill_(float(bias))
         velocity, new_tallies = self.call(x, t, control, self.frame, self.counts, self.bias, rings, tallies)

@@ -229,12 +229,12 @@ class CausvidPipeline:
         control = graph.control(m, b) if graph is not None else None  # once a frame: only t changes
 
         def velocity(x, t, i):
-            write, t = plan.commit and i == last, dev(torch.full((1, 1), t))
+            write = plan.commit and i == last
             if graph is not None:
                 self.lifecycle.model_calls += 1
-                v = graph(self.cache, x, t, control, plan.bias, write)
+                v = graph(self.cache, x, graph.timestep(t), control, plan.bias, write)
             else:
-                v = self._velocity(x, t, m, b, write=write, bias=plan.bias)
+                v = self._velocity(x, dev(torch.full((1, 1), t)), m, b, write=write, bias=plan.bias)
             self.last_velocity = v
             self.profiler.mark(f"step{i + 1}")
             return v
