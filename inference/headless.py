@@ -120,10 +120,11 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
         pipe = build(args, tp)  # a Ctrl-C while it loads ends the run at once: nothing is written yet
         pipe.log = tqdm.write  # diagnostics above the progress bar, never on its line
         beside = SimulatorBeside(pipe) if args.beside_simulator else None
-        require_space(output_estimates(args, pipe.frame_shape, sum(not is_event(x) for x in items), beside is not None))
+        frames = sum(not is_event(x) for x in items)
+        require_space(output_estimates(args, pipe.frame_shape, frames, beside is not None))
         with StopOnSigint() as stop:
             start = time.perf_counter()
-            bar = tqdm(total=sum(not is_event(x) for x in items), desc="rollout", unit="frame")
+            bar = tqdm(total=frames, desc="rollout", unit="frame")
             for item in items:
                 if stop.requested:
                     interrupted = True

@@ -486,18 +486,25 @@ class QuantizedStaticCache(CacheUpdates):
         work = self._work(store.capacity) if any(q.quantized for q in quantizers) else None
         fused = work is not None and self._fused_ring_step(layer, store, k, v, work)
         items = None if fused else self._encode(layer, k, v, commit=self.should_update)
-        if self.should_update:
-            self._write(layer, items, 1, k, v)
-        else:  # a scratch frame: the next write (step 2 of this frame) replaces it
-            slot = self.layout.pointer(store)
-            for name in store.bufs:
-                Layout._put(store, name, None if fused else items[name], slot, store.written)
-            if store.length == store.capacity:
-                store.length -= 1  # the oldest frame's slot now holds this call's frame
+        self.ring_written(layer, self.should_update, items, k, v)
         if work is not None and not fused:
             return self._decode(layer, store.bufs, work)
         return [w if q.quantized else store.bufs[name].flatten(2, 3)
                 for name, q, w in zip("kv", quantizers, work or (None, None))]
+
+    def ring_written(self, layer: int, commit: bool, items: dict | None = None, k=None, v=None):
+        """One frame into the in-place ring's pointer slot (``items`` None: a kernel already wrote
+        its data there): committed, it joins the history; otherwise it is a scratch frame that the
+        next write (step 2 of this frame) replaces."""
+        store = self.stores[layer]
+        if commit:
+            self._write(layer, items, 1, k, v)
+            return
+        slot = self.layout.pointer(store)
+        for name in store.bufs:
+            Layout._put(store, name, None if items is None else items[name], slot, store.written)
+        if store.length == store.capacity:
+            store.length -= 1  # the oldest frame's slot now holds this call's frame
 
     def _fused_ring_step(self, layer, store, k, v, work) -> bool:
         """With compile on: encode, write and decode K and V of one frame in one compiled call

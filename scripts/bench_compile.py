@@ -3,8 +3,9 @@
     python -m scripts.bench_compile [--frames 32] [--device cpu] [--mode "int8 inplace" ...] [--json out.json]
 
 For each mode: frames per second (denoise + decode) eagerly and compiled, each as a ratio to
-the first mode's eager FPS from the same run (bf16 roll unless --mode picks others), and the torch.compile graphs made after the warm-up frames
-(dynamo's ``unique_graphs`` counter): 0 means decoding does not recompile in steady state.
+the first mode's eager FPS from the same run (bf16 roll unless --mode picks others), and the
+torch.compile graphs made after the warm-up frames (dynamo's ``unique_graphs`` counter): 0 means
+decoding does not recompile in steady state.
 """
 from __future__ import annotations
 

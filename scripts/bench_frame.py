@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from .common import machine, require_at_least
+
 # (path, OWL_* flags); the first is what the app ran by default before the frame graph (in bf16)
 OURS = [("eager, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}),
         ("compiled per block, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace",
@@ -194,12 +196,11 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     paths = []
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
-        if classes is not None:
-            eager_decoder = None
-            if decoder is not None:  # the original's frames are decoded by this repo's eager pipeline
-                eager_decoder = Ours(OURS[0][0], OURS[0][1], model, decoder, world, history, dtype, args.device)
-            paths.append(Original(classes, model, eager_decoder, world, history, dtype, args.device))
-        paths += [Ours(name, flags, model, decoder, world, history, dtype, args.device) for name, flags in OURS]
+        ours = [Ours(name, flags, model, decoder, world, history, dtype, args.device) for name, flags in OURS]
+        if classes is not None:  # the original's frames are decoded by this repo's eager path (uncompiled decoder)
+            paths.append(Original(classes, model, ours[0] if decoder is not None else None, world, history, dtype,
+                                  args.device))
+        paths += ours
     print(f"\n{label}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, window {window} frames, "
           f"{cfg.tokens_per_frame} tokens a frame; warm-up ({args.warmup} frames each, compiles) ...", flush=True)
     for _ in range(args.warmup):
@@ -238,8 +239,9 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     for dtype_name, (flops, rate, floor_ms) in floors.items():
         print(f"{dtype_name}: frame FLOPs (two calls) {flops / 1e6:.0f} M; matmul rate {rate / 1e9:.1f} GFLOP/s: "
               f"floor {floor_ms:.2f} ms")
-    print(f"x default: against {OURS[0][0]} in {args.dtype[0]} (the app's default before the frame graph); "
-          "x original: against the original in the same dtype")
+    before = " (the app's default before the frame graph)" if args.dtype[0] == "bf16" else ""
+    print(f"x default: against {OURS[0][0]} in {args.dtype[0]}{before}; x original: against the original in the "
+          "same dtype")
     print(f"{'path':<36} {'dtype':>8} {'calls ms':>9} {'decode ms':>10} {'FPS':>6} {'x default':>10} "
           f"{'x original':>11} {'x floor':>8} {'overhead':>9}")
     for r in rows:
@@ -263,10 +265,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    for flag, value, least in (("--frames", args.frames, 1), ("--warmup", args.warmup, 1),
-                               ("--profile-frames", args.profile_frames, 1), ("--prod-layers", args.prod_layers, 0)):
-        if value < least:
-            raise SystemExit(f"error: {flag} {value} is below {least}; use {least} or more")
+    require_at_least(("--frames", args.frames, 1), ("--warmup", args.warmup, 1),
+                     ("--profile-frames", args.profile_frames, 1), ("--prod-layers", args.prod_layers, 0))
     if args.prod_layers > 16:
         raise SystemExit(f"error: --prod-layers {args.prod_layers}: the production model has 16 layers")
     classes = load_original(args.original) if args.original is not None else None
@@ -281,8 +281,6 @@ def main(argv=None):
     from owl_wms.loading import SHIPPED_WORLD, build_model, load_weights, read_weights
     from owl_wms.model import GameRFT
     from owl_wms.vae import load_decoder
-
-    from .common import machine
 
     command = "python -m scripts.bench_frame " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"command: {command.rstrip()}\ntorch {torch.__version__}; machine: {machine()}; device {args.device}")

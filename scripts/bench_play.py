@@ -21,7 +21,8 @@ from scripts.common import machine
 
 
 def private_display() -> tuple[subprocess.Popen, str]:
-    """An Xvfb on a free display; returns once it accepts clients (-displayfd writes its number then)."""
+    """An Xvfb on a free display; returns once it accepts clients (-displayfd writes its number
+    then: a fixed display and a fixed sleep could leave the game without a server under load)."""
     read_fd, write_fd = os.pipe()
     xvfb = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "800x600x24", "-nolisten", "tcp"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,))

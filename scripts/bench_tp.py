@@ -31,7 +31,7 @@ from owl_wms.controls import no_controls
 from owl_wms.model import GameRFT
 from owl_wms.parallel import ParallelContext
 from owl_wms.settings import Settings
-from scripts.common import machine
+from scripts.common import machine, require_at_least
 
 WALK = ([0.0, 0.0], [1] + [0] * 10)
 
@@ -156,11 +156,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
-    for flag, value, least in (("--frames", args.frames, 1), ("--warmup", args.warmup, 0),
-                               ("--prod-frames", args.prod_frames, 1), ("--prod-window", args.prod_window, 1),
-                               ("--exact-frames", args.exact_frames, 1)):
-        if value < least:
-            raise SystemExit(f"error: {flag} {value} is below {least}; use {least} or more")
+    require_at_least(("--frames", args.frames, 1), ("--warmup", args.warmup, 0), ("--prod-frames", args.prod_frames, 1),
+                     ("--prod-window", args.prod_window, 1), ("--exact-frames", args.exact_frames, 1))
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

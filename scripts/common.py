@@ -30,6 +30,13 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads{gpu}"
 
 
+def require_at_least(*checks: tuple[str, int, int]):
+    """Exit with a one-line error at the first (flag, value, least) whose value is below least."""
+    for flag, value, least in checks:
+        if value < least:
+            raise SystemExit(f"error: {flag} {value} is below {least}; use {least} or more")
+
+
 def load_presets() -> dict[str, dict[str, str]]:
     """configs/kv_presets.yaml: preset name -> OWL_* flags (values as strings)."""
     from omegaconf import OmegaConf

@@ -213,17 +213,11 @@ def test_no_display_gives_a_clear_message_not_a_traceback():
 @pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xdotool")),
                     reason="needs Xvfb and xdotool (Debian packages xvfb, xdotool)")
 def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
-    # -displayfd: Xvfb picks a free display and writes its number once it accepts clients (a
-    # fixed display and a fixed sleep could leave the game without a server under load).
-    read_fd, write_fd = os.pipe()
-    xvfb = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "640x480x24", "-nolisten", "tcp"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,))
-    os.close(write_fd)
+    from scripts.bench_play import private_display  # a free display, ready before the game starts
+
+    xvfb, display = private_display()
     try:
-        with os.fdopen(read_fd) as ready:
-            number = ready.readline().strip()
-        assert number.isdigit(), f"Xvfb did not start (exit code {xvfb.poll()})"
-        env = {**{k: v for k, v in NO_OWL.items() if k != "SDL_VIDEODRIVER"}, "DISPLAY": f":{number}"}
+        env = {**{k: v for k, v in NO_OWL.items() if k != "SDL_VIDEODRIVER"}, "DISPLAY": display}
         game = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--record", str(tmp_path / "x.mp4"),
                                  "--save-actions", str(tmp_path / "x.jsonl"), "--record-dir", str(tmp_path),
                                  "--max-frames", "90", "--scale", "4"], cwd=REPO, env=env,

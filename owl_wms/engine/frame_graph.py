@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..cache import QuantizedStaticCache
-from ..layouts import Layout
 from ..quant import _ring_tensor, eager_division
 
 CODECS = ("bf16", "int8")  # the default modes: plain or one-pass int8 rings
@@ -183,21 +182,15 @@ class FrameGraph:
         self.bias.fill_(float(bias))
         velocity, new_tallies = self.call(x, t, control, self.frame, self.counts, self.bias, rings, tallies)
         self.calls += 1
-        for (layer, store), (tk, tv) in zip(cache.stores.items(), new_tallies):
-            self._account(cache, layer, store, commit, tk, tv)
+        for layer, (tk, tv) in zip(cache.stores, new_tallies):
+            self._account(cache, layer, commit, tk, tv)
         return velocity
 
-    def _account(self, cache, layer, store, commit: bool, tk, tv):
-        """The host's bookkeeping of one ring write, as the eager in-place ring keeps it."""
+    def _account(self, cache, layer, commit: bool, tk, tv):
+        """The host's bookkeeping of one ring write, the cache's own (as its eager in-place ring)."""
+        cache.ring_written(layer, commit)
         if commit:
-            cache.layout.write(store, None, 1)
             for q, tally in zip(cache.quant[layer], (tk, tv)):
                 if q.quantized:
                     q.committed(cache.batch_size * self.values_per_frame, tally)
-        else:  # a scratch frame: the committing call of this frame writes the same slot
-            slot = cache.layout.pointer(store)
-            for name in store.bufs:
-                Layout._put(store, name, None, slot, store.written)
-            if store.length == store.capacity:
-                store.length -= 1  # the oldest frame's slot now holds this frame
         cache._last_read[layer] = not commit
