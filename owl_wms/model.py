@@ -114,10 +114,17 @@ class AdaLN(nn.Module):
         super().__init__()
         self.fc = nn.Linear(d, 2 * d)
 
-    def forward(self, x, cond):
-        a, b = self.fc(F.silu(cond)).unsqueeze(2).chunk(2, dim=-1)
-        y = F.rms_norm(per_frame(x, cond.shape[1]), (x.shape[-1],)) * (1 + a) + b
+    def params(self, cond):
+        """Scale and shift [b, n, 2d] of the conditioning ``cond`` [b, n, d]."""
+        return self.fc(F.silu(cond))
+
+    def modulate(self, x, params):
+        a, b = params.unsqueeze(2).chunk(2, dim=-1)
+        y = F.rms_norm(per_frame(x, params.shape[1]), (x.shape[-1],)) * (1 + a) + b
         return y.view_as(x)
+
+    def forward(self, x, cond):
+        return self.modulate(x, self.params(cond))
 
 
 class Gate(nn.Module):
@@ -125,9 +132,15 @@ class Gate(nn.Module):
         super().__init__()
         self.fc_c = nn.Linear(d, d)
 
+    def params(self, cond):
+        """The gate [b, n, d] of the conditioning ``cond`` [b, n, d]."""
+        return self.fc_c(F.silu(cond))
+
+    def modulate(self, x, params):
+        return (params.unsqueeze(2) * per_frame(x, params.shape[1])).view_as(x)
+
     def forward(self, x, cond):
-        c = self.fc_c(F.silu(cond)).unsqueeze(2)
-        return (c * per_frame(x, cond.shape[1])).view_as(x)
+        return self.modulate(x, self.params(cond))
 
 
 class DiTBlock(nn.Module):
@@ -139,6 +152,11 @@ class DiTBlock(nn.Module):
         self.attn = Attention(d, cfg.n_heads, layer, cfg.tokens_per_frame, cfg.layer_window(layer),
                               cfg.decode_window(layer))
         self.mlp = MLP(d, 4 * d, d)
+
+    def conditioning(self, cond) -> tuple:
+        """What the block's AdaLNs and gates take from the conditioning (a frame graph makes
+        these once a frame): adaln1, gate1, adaln2 and gate2 ``params``."""
+        return tuple(m.params(cond) for m in (self.adaln1, self.gate1, self.adaln2, self.gate2))
 
     # The block is split around the cache: the two halves are pure tensor code (what
     # torch.compile sees), the cache read/write between them stays eager.
@@ -223,8 +241,14 @@ class FinalLayer(nn.Module):
         self.norm = AdaLN(d)
         self.proj = nn.Linear(d, channels)
 
+    def params(self, cond):
+        return self.norm.params(cond)
+
+    def modulate(self, x, params):
+        return self.proj(F.silu(self.norm.modulate(x, params)))
+
     def forward(self, x, cond):
-        return self.proj(F.silu(self.norm(x, cond)))
+        return self.modulate(x, self.params(cond))
 
 
 class GameRFTCore(nn.Module):

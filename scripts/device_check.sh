@@ -3,8 +3,10 @@
 #
 #     OUT=gpu_results bash scripts/device_check.sh
 #
-# 1. the CUDA half of the KV tests (fused inplace step vs the eager ring, bit for bit; bench_kv's
-#    frame captured as a CUDA graph rewrites its slot on replay);
+# 1. the CUDA half of the KV and frame-graph tests (fused inplace step vs the eager ring, bit for
+#    bit; bench_kv's frame captured as a CUDA graph rewrites its slot on replay; the frame graph
+#    replayed as a CUDA graph gives the eager frames, the same frames run to run, noise drawn on
+#    the GPU, and no recompile across wraps, cuts, recomputes and bias changes);
 # 2. bench_kv --device cuda --cuda-graph: per-frame cache cost of every layout x codec as ratios
 #    to bf16 roll, as launched and as captured CUDA graphs (kernels only), memory, the v0-v4
 #    matrix on the shipped world;
@@ -18,7 +20,9 @@
 #
 # The GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg: put their wheels in
 # .whl/ (docs/turning.md says how) and carry it; they are installed to /tmp/site first. The step
-# limits add up to 9 minutes, inside one 10-minute device call.
+# limits add up to 9 minutes, inside one 10-minute device call. ORIGINAL=<folder in the carried
+# tree> (a checkout of the original, with a rotary-embedding-torch wheel in .whl/) adds the
+# original's own loop to bench_frame.
 #
 # STEPS="tests chain" runs only those steps. Each step has its own time limit in seconds
 # (STEP_LIMIT_SCALE=2 doubles them all), so one hang cannot eat the others; each step's log is
@@ -54,19 +58,19 @@ fi
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
 
 # -o addopts= : the suite's pytest-xdist options, which the GPU machine's pytest may not know
-step tests 60 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py -k cuda
-step bench_kv 150 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
+step tests 120 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_frame_graph.py -k cuda
+step bench_kv 130 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
 tmp=$(mktemp -d)
-step chain 60 bash -c "set -e
+step chain 50 bash -c "set -e
     $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
     $PY -m scripts.train_vae --data $tmp/data --out $tmp/vae --steps 20 --batch 8 --held-out 1 --save-every 20 --device cuda
     $PY -m scripts.encode_latents --data $tmp/data --vae checkpoints/maze-world/vae --out $tmp/latents --device cuda
     $PY -m scripts.train_world --latents $tmp/latents --out $tmp/world --steps 20 --batch 2 --save-every 20 --device cuda"
-step bench_compile 90 $PY -m scripts.bench_compile --device cuda --frames 16 --mode "bf16 roll" --mode "int8 inplace" \
+step bench_compile 70 $PY -m scripts.bench_compile --device cuda --frames 16 --mode "bf16 roll" --mode "int8 inplace" \
     --mode "bf16 inplace" --json "$OUT/bench_compile.json"
-step bench_frame 120 $PY -m scripts.bench_frame --device cuda --dtype bf16 --frames 16 --prod-layers 16 \
-    --json "$OUT/bench_frame.json"
-step bench_pipeline 60 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
+step bench_frame 115 $PY -m scripts.bench_frame --device cuda --dtype bf16 --frames 16 --prod-layers 16 \
+    ${ORIGINAL:+--original "$ORIGINAL"} --json "$OUT/bench_frame.json"
+step bench_pipeline 55 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
     --json "$OUT/bench_pipeline.json"
 
 if [ ${#failed[@]} -eq 0 ]; then echo "device_check: all steps passed"; else echo "device_check: FAILED: ${failed[*]}"; exit 1; fi

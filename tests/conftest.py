@@ -63,8 +63,8 @@ def tiny_world(cfg: ModelConfig, window: int = 5) -> WorldConfig:
                        decoder=DecoderConfig(), name="tiny")
 
 
-def fp32_settings(backend: str = "sdpa", **kw) -> Settings:
-    return Settings(device="cpu", dtype=torch.float32, attn_backend=backend, attn_backend_decode=backend, **kw)
+def fp32_settings(backend: str = "sdpa", device: str = "cpu", **kw) -> Settings:
+    return Settings(device=device, dtype=torch.float32, attn_backend=backend, attn_backend_decode=backend, **kw)
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> GameRFT:

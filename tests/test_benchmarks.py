@@ -60,7 +60,8 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
           "--json", tmp_path / "frame.json")
     rows = json.loads((tmp_path / "frame.json").read_text())["rows"]
     assert [r["path"] for r in rows] == ["eager, int8 in-place", "compiled per block, int8 in-place",
-                                         "frame graph, int8 in-place", "frame graph, bf16 in-place"]
+                                         "frame graph, int8 in-place", "frame graph, bf16 in-place",
+                                         "eager, bf16 roll (the original's layout)"]
     assert rows[0]["x_default"] == 1.0 and all(r["x_original"] is None for r in rows)  # no --original given
     for r in rows:
         assert r["dtype"] == "float32" and r["calls_ms"] > 0 and r["decode_ms"] > 0 and r["floor_ms"] > 0

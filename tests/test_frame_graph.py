@@ -27,6 +27,10 @@ WINDOW = 5  # ring slots of the global layer; the local layers hold 3 (tiny_conf
 TOLERANCE = {"bf16": 1e-4, "int8": 2e-3}
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device (run on a GPU machine)"))]
+
+
 def pipeline(storage: str, compile: bool, **settings) -> CausvidPipeline:
     cfg = tiny_config()
     kv = KVSettings(ring_mode="inplace", fmt_k=storage, fmt_v=storage)
@@ -49,10 +53,12 @@ def play(pipe, frames: int, seed: int = 2) -> torch.Tensor:
                       for _ in range(frames)], dim=1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("storage", ["bf16", "int8"])
-def test_the_graph_gives_the_eager_frames_within_float_rounding(storage):
-    """Three wrap-arounds of every ring (15 frames over 5 and 3 slots), then a fresh history."""
-    eager, compiled = pipeline(storage, False), pipeline(storage, True)
+def test_the_graph_gives_the_eager_frames_within_float_rounding(storage, device):
+    """Three wrap-arounds of every ring (15 frames over 5 and 3 slots), then a fresh history; on
+    CUDA the graph replays as a CUDA graph."""
+    eager, compiled = pipeline(storage, False, device=device), pipeline(storage, True, device=device)
     assert eager.frame_graph is None and compiled.frame_graph is not None
     a, b = play(eager, 3 * WINDOW), play(compiled, 3 * WINDOW)
     assert compiled.frame_graph.calls == 2 * 3 * WINDOW  # every generated frame's two calls ran the graph
@@ -63,13 +69,32 @@ def test_the_graph_gives_the_eager_frames_within_float_rounding(storage):
     assert eager.cache.quant_stats() == compiled.cache.quant_stats()  # the same writes were committed
 
 
-def test_the_graph_gives_the_same_frames_run_to_run():
-    first, second = (play(pipeline("int8", True), 2 * WINDOW) for _ in range(2))
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_graph_gives_the_same_frames_run_to_run(device):
+    first, second = (play(pipeline("int8", True, device=device), 2 * WINDOW) for _ in range(2))
     assert torch.equal(first, second)
 
 
-def test_no_graph_break_or_recompile_across_wraps_cuts_recomputes_and_bias():
-    pipe = pipeline("int8", True, kv_recompute_every=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_noise_is_drawn_on_the_device_from_the_seed(device):
+    """A frame's noise and the history's come from a generator on the model's device, so nothing
+    is drawn on the host and copied in per frame; on the CPU its stream is the seed's, as before."""
+    pipe = pipeline("int8", True, device=device, seed=7)
+    assert pipe.generator.device.type == device
+    plans = []
+    frame = pipe.lifecycle.frame
+    pipe.lifecycle.frame = lambda *args, **kw: plans.append(frame(*args, **kw)) or plans[-1]
+    play(pipe, 1)
+    assert plans[0].noise.device.type == device and plans[0].noise.dtype == torch.float32
+    c, s = pipe.cfg.channels, pipe.cfg.sample_size
+    pipe.generator.manual_seed(7)
+    expected = torch.randn((1, 1, c, s, s), generator=torch.Generator(device).manual_seed(7), device=device)
+    assert torch.equal(pipe.noise(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_graph_break_or_recompile_across_wraps_cuts_recomputes_and_bias(device):
+    pipe = pipeline("int8", True, device=device, kv_recompute_every=4)
     cfg = pipe.cfg
 
     def session():

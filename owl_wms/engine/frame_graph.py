@@ -11,8 +11,9 @@ changes from call to call enters it as tensors, so it never recompiles:
 - each ring's written and valid frame counts: the slot written (index mod capacity) and the
   slots visible (age below the valid count) follow on the device;
 - the soft-forgetting bias, added to every visible slot but the frame's own;
-- the timestep; the control embedding is made once per frame (only t changes between the
-  two calls of a frame).
+- the conditioning: the timestep and control embeddings and every AdaLN and gate linear are
+  made once a frame, for all the sampler's timesteps together (only t changes between the
+  calls of a frame), by a second compiled function.
 
 Both calls of a frame write the frame's K/V into the slot the committing call owns (as the
 eager in-place ring does); only the host's bookkeeping (counts, slot tags, the int8 tallies)
@@ -80,24 +81,31 @@ class FrameGraph:
         if device.type == "cuda":
             options["triton.cudagraphs"] = True  # replayed as a CUDA graph (mode "reduce-overhead")
         self.call = torch.compile(self._call, fullgraph=True, dynamic=False, options=options)
-        self.controls = torch.compile(self._controls, fullgraph=True, dynamic=False)
+        self.conditions = torch.compile(self._conditioning, fullgraph=True, dynamic=False)
         self.calls = 0
-        self._timesteps: dict[float, torch.Tensor] = {}
+        self._timesteps: dict[tuple, torch.Tensor] = {}
 
     # -- the graphs ------------------------------------------------------------------------------
-    def _controls(self, mouse, buttons):
-        return self.core.control_embed(mouse, buttons)
+    def _conditioning(self, t, mouse, buttons):
+        core = self.core
+        cond = core.t_embed(t)  # [k, 1, d]: the k timesteps of the frame's calls
+        if not self.uncond:
+            cond = cond + core.control_embed(mouse, buttons)
+        blocks = [block.conditioning(cond) for block in core.transformer.blocks]
+        final = core.proj_out.params(cond)
+        return [([tuple(p[i:i + 1] for p in block) for block in blocks], final[i:i + 1]) for i in range(t.shape[0])]
 
-    def _call(self, x, t, control, frame, counts, bias, rings: list, tallies: list):
+    def _call(self, x, conditioning, frame, counts, bias, rings: list, tallies: list):
         core, tpf = self.core, self.tpf
         b, n, c, h, w = x.shape
-        cond = core.t_embed(t) if control is None else core.t_embed(t) + control
+        blocks, final = conditioning
         tokens = core.proj_in(rearrange(x, "b n c h w -> b (n h w) c").to(core.proj_in.weight.dtype))
         angles = frame.to(torch.float64) * self.rope_step + self.rope_base
         cos, sin = angles.cos().float(), angles.sin().float()
         new_tallies = []
         for i, block in enumerate(core.transformer.blocks):
-            q, k, v = block.attn.project(block.adaln1(tokens, cond), cos, sin)
+            adaln1, gate1, adaln2, gate2 = blocks[i]
+            q, k, v = block.attn.project(block.adaln1.modulate(tokens, adaln1), cos, sin)
             written, valid = counts[i, 0], counts[i, 1]
             (k_buf, k_scale, k_work, k_spec), (v_buf, v_scale, v_work, v_spec) = rings[i]
             capacity = k_buf.shape[2]
@@ -113,9 +121,9 @@ class FrameGraph:
                               torch.full_like(bias, float("-inf")))
             mask = add.repeat_interleave(tpf)[None].to(q.dtype)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
-            tokens = tokens + block.gate1(block.attn.out(rearrange(y, "b h t d -> b t (h d)")), cond)
-            tokens = tokens + block.gate2(block.mlp(block.adaln2(tokens, cond)), cond)
-        out = core.proj_out(tokens, cond)
+            tokens = tokens + block.gate1.modulate(block.attn.out(rearrange(y, "b h t d -> b t (h d)")), gate1)
+            tokens = tokens + block.gate2.modulate(block.mlp(block.adaln2.modulate(tokens, adaln2)), gate2)
+        out = core.proj_out.modulate(tokens, final)
         return rearrange(out, "b (n h w) c -> b n c h w", n=n, h=h, w=w), new_tallies
 
     def _ring(self, x, buf, scale, work, spec, slot, tally):
@@ -138,20 +146,19 @@ class FrameGraph:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def timestep(self, t: float) -> torch.Tensor:
-        """The timestep t as a [1, 1] device tensor, made once per value."""
-        value = self._timesteps.get(t)
-        if value is None:
-            value = self._timesteps[t] = torch.full((1, 1), t, dtype=self.dtype, device=self.device)
-        return value
+    def conditioning(self, schedule, mouse, buttons) -> list:
+        """Per call of a frame (the sampler's timesteps ``schedule[:-1]``), what its blocks and
+        output layer take from the conditioning; ``mouse`` [1, 1, 2], ``buttons`` [1, 1, 11]."""
+        t = self._timesteps.get(tuple(schedule))
+        if t is None:
+            t = torch.tensor(schedule[:-1], dtype=self.dtype).view(-1, 1)
+            t = self._timesteps[tuple(schedule)] = t.to(self.device)
+        return self.conditions(t, mouse, buttons)
 
-    def control(self, mouse, buttons):
-        """The frame's control embedding [1, 1, d] (None for an unconditional model)."""
-        return None if self.uncond else self.controls(mouse, buttons)
-
-    def __call__(self, cache: QuantizedStaticCache, x, t, control, bias: float, commit: bool) -> torch.Tensor:
-        """Velocity [1, 1, c, h, w] of one frame ``x`` at timestep ``t`` [1, 1]; writes the frame
-        into each ring's next slot, and with ``commit`` makes it part of the history."""
+    def __call__(self, cache: QuantizedStaticCache, x, conditioning, bias: float, commit: bool) -> torch.Tensor:
+        """Velocity [1, 1, c, h, w] of one frame ``x`` under ``conditioning`` (this call's entry of
+        ``self.conditioning``); writes the frame into each ring's next slot, and with ``commit``
+        makes it part of the history."""
         rings, tallies, counts = [], [], []
         for layer, store in cache.stores.items():
             entry, tally = [], []
@@ -180,7 +187,7 @@ class FrameGraph:
                 mark_static_address(buf)
         self.frame.fill_(cache.stores[0].written)
         self.bias.fill_(float(bias))
-        velocity, new_tallies = self.call(x, t, control, self.frame, self.counts, self.bias, rings, tallies)
+        velocity, new_tallies = self.call(x, conditioning, self.frame, self.counts, self.bias, rings, tallies)
         self.calls += 1
         for layer, (tk, tv) in zip(cache.stores, new_tallies):
             self._account(cache, layer, commit, tk, tv)

@@ -65,7 +65,10 @@ class CausvidPipeline:
         self.decoder = decoder.to(self.device).eval() if decoder is not None else None
         if self.decoder is not None and s.compile:
             self.decoder.compile()
-        self.generator = torch.Generator().manual_seed(s.seed)
+        # Noise is drawn where the model runs (no host-to-device copy in a frame); under tensor
+        # parallelism rank 0 draws it on the host, as the step plan it broadcasts is pickled.
+        self.noise_device = self.device if tp is None else torch.device("cpu")
+        self.generator = torch.Generator(self.noise_device).manual_seed(s.seed)
         self.kv_plan = plan_layers(self.cache_cfg, s.kv, self.window) if s.kv_cache != "none" else None
         # With compile, each generated frame's model call is one graph where the cache allows
         # (frame_graph.py); multi-frame calls (history, recompute) run the per-block path.
@@ -157,7 +160,7 @@ class CausvidPipeline:
         ``noised``: the history is already the noised model input (parity tests)."""
         self._check_history(history, mouse, buttons)
         self.recompute_anchor.restart(*(() if noised else (history, mouse, buttons)))
-        x = history.float().cpu() if noised else self._noised_history(history)
+        x = history.float().to(self.noise_device) if noised else self._noised_history(history)
         self.replay.step = 0
         if self.verbose and self.cache_epoch == 0:  # the first history is start-up's last step
             compiling = ("; OWL_COMPILE=1: the model compiles now and at the first frames (up to a minute on a CPU)"
@@ -182,10 +185,17 @@ class CausvidPipeline:
             lat = self.decoder.encode_uint8(torch.stack([self.decode(x[None, None]) for x in lat])) / self.vae_scale
         return lat, m, b
 
+    def noise(self, shape=None) -> torch.Tensor:
+        """Standard normal noise from the pipeline's generator, on its device: one frame's
+        [1, 1, c, h, w] by default."""
+        if shape is None:
+            shape = (1, 1, self.cfg.channels, self.cfg.sample_size, self.cfg.sample_size)
+        return torch.randn(shape, generator=self.generator, device=self.noise_device)
+
     def _noised_history(self, x: torch.Tensor) -> torch.Tensor:
-        """History frames enter the cache noised at alpha: (1 - alpha) x + alpha eps (CPU noise)."""
-        x = x.float().cpu()
-        return (1 - self.alpha) * x + self.alpha * torch.randn(x.shape, generator=self.generator)
+        """History frames enter the cache noised at alpha: (1 - alpha) x + alpha eps."""
+        x = x.float().to(self.noise_device)
+        return (1 - self.alpha) * x + self.alpha * self.noise(x.shape)
 
     # -- steps -----------------------------------------------------------------------------------
     def _run(self, plan: StepPlan | None) -> tuple[StepPlan, torch.Tensor | None]:
@@ -226,13 +236,13 @@ class CausvidPipeline:
         m, b = dev(plan.mouse.view(1, 1, 2)), dev(plan.buttons.view(1, 1, N_BUTTONS))
         last = len(self.schedule) - 2
         graph = self.frame_graph
-        control = graph.control(m, b) if graph is not None else None  # once a frame: only t changes
+        conditioning = graph.conditioning(self.schedule, m, b) if graph is not None else None  # once a frame
 
         def velocity(x, t, i):
             write = plan.commit and i == last
             if graph is not None:
                 self.lifecycle.model_calls += 1
-                v = graph(self.cache, x, graph.timestep(t), control, plan.bias, write)
+                v = graph(self.cache, x, conditioning[i], plan.bias, write)
             else:
                 v = self._velocity(x, dev(torch.full((1, 1), t)), m, b, write=write, bias=plan.bias)
             self.last_velocity = v
@@ -286,10 +296,8 @@ class CausvidPipeline:
         if commit and self.lifecycle.recompute_due and self.recompute_anchor:
             lat, am, ab = self.anchor()
             anchor = (self._noised_history(lat), am, ab)  # anchor noise is drawn before the frame's
-        if noise is None:
-            c, s = self.cfg.channels, self.cfg.sample_size
-            noise = torch.randn((1, 1, c, s, s), generator=self.generator)
-        _, x = self._run(self.lifecycle.frame(mouse.float(), buttons.float(), noise.float().cpu(), commit, anchor))
+        noise = self.noise() if noise is None else noise.float().to(self.noise_device)
+        _, x = self._run(self.lifecycle.frame(mouse.float(), buttons.float(), noise, commit, anchor))
         report = self.verbose and not self._guard_reported and getattr(self.cache, "guard_report", lambda: None)()
         if report:  # the ring guard's checksum window is over
             self.log(report)

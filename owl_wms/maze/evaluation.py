@@ -127,10 +127,9 @@ def copy_previous(ep: Episode, n: int) -> list[tuple[float, float]]:
 def action_response(pipe, ep: Episode, other: Episode, n: int) -> list[float]:
     """Teacher-forced PSNR between predictions under ``ep``'s and ``other``'s actions (same noise)."""
     pipe.load_clip(ep.clip)
-    c, s = pipe.cfg.channels, pipe.cfg.sample_size
     out = []
     for k in range(n):
-        noise = torch.randn((1, 1, c, s, s), generator=pipe.generator)
+        noise = pipe.noise()
         mine, theirs = (pipe.decode(pipe.generate(*src.future(k)[1:], noise=noise, commit=False)).numpy()
                         for src in (ep, other))
         out.append(frame_metrics(mine, theirs)[0])
