@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .common import machine, require_at_least
+from .common import machine, require_at_least, synchronizer
 
 # (path, OWL_* flags); the first is what the app ran by default before the frame graph (in bf16)
 OURS = [("eager, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}),
@@ -148,20 +148,15 @@ class Original:
 def matmul_rate(dtype, device, n: int = 512) -> float:
     """This machine's matmul rate (FLOP/s) in ``dtype``: the best of a few timings of n x n x n."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    best = float("inf")
+    sync, best = synchronizer(device), float("inf")
     for _ in range(3):
-        sync(device)
+        sync()
         t0 = time.perf_counter()
         for _ in range(2):
             a @ b
-        sync(device)
+        sync()
         best = min(best, (time.perf_counter() - t0) / 2)
     return 2 * n ** 3 / best
-
-
-def sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def frame_flops(path) -> int:
@@ -178,12 +173,13 @@ def overhead_share(path, frames: int, device) -> float:
     from torch.profiler import ProfilerActivity, profile
 
     assert inductor.cpp.enable_kernel_profile  # set before anything compiled: kernels show as events
-    sync(device)
+    sync = synchronizer(device)
+    sync()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(frames):
             path.frame()
-        sync(device)
+        sync()
     wall = time.perf_counter() - t0
     busy = sum(e.self_cpu_time_total for e in prof.key_averages()
                if e.key.startswith(("aten::", "cpp_fused", "graph_")) or "kernel" in e.key) / 1e6
@@ -210,16 +206,17 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
         for p in paths:
             p.decode(p.frame()) if decoder is not None else p.frame()
     calls, decodes = ([[] for _ in paths] for _ in range(2))
+    sync = synchronizer(args.device)
     for _ in range(args.frames):  # the paths take turns, frame by frame
         for i, p in enumerate(paths):
-            sync(args.device)
+            sync()
             t0 = time.perf_counter()
             latent = p.frame()
-            sync(args.device)
+            sync()
             t1 = time.perf_counter()
             if decoder is not None:
                 p.decode(latent)
-                sync(args.device)
+                sync()
                 decodes[i].append(time.perf_counter() - t1)
             calls[i].append(t1 - t0)
     reference = 1000 * statistics.median(calls[paths.index(next(p for p in paths if p.name == OURS[0][0]))])

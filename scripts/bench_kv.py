@@ -33,7 +33,7 @@ from owl_wms.config import PRODUCTION, ModelConfig
 from owl_wms.quant import Fused
 from owl_wms.settings import Settings
 
-from .common import machine, world_rows
+from .common import machine, synchronizer, world_rows
 
 WINDOW = 60
 LAYOUTS = ("roll", "pointer", "inplace")
@@ -241,7 +241,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.cuda_graph and not args.device.startswith("cuda"):
         p.error(f"--cuda-graph captures CUDA graphs; --device {args.device} has none (use --device cuda)")
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(args.device)
     cfg = ModelConfig.from_mapping({**PRODUCTION, "n_frames": WINDOW})
     print(f"command: python -m scripts.bench_kv {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
     print(f"torch {torch.__version__}; machine: {machine()}; device {args.device}, {args.dtype}")

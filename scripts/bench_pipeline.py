@@ -25,7 +25,7 @@ from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfi
 from owl_wms.controls import no_controls
 from owl_wms.model import GameRFT
 from owl_wms.settings import Settings
-from scripts.common import machine
+from scripts.common import machine, synchronizer
 
 
 def timed(fn, frames: int, warmup: int, sync) -> list[float]:
@@ -87,7 +87,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}; machine: {machine()}")
     settings = Settings(device=args.device, dtype=torch.bfloat16, attn_backend=args.backend,
                         attn_backend_decode=args.backend, compile=args.compile)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(args.device)
     rows = []
 
     walk = ([0.0, 0.0], [1] + [0] * 10)

@@ -31,7 +31,7 @@ from owl_wms.controls import no_controls
 from owl_wms.model import GameRFT
 from owl_wms.parallel import ParallelContext
 from owl_wms.settings import Settings
-from scripts.common import machine, require_at_least
+from scripts.common import machine, require_at_least, synchronizer
 
 WALK = ([0.0, 0.0], [1] + [0] * 10)
 
@@ -96,7 +96,7 @@ def worker(args) -> None:
     totals = {"comm": 0.0}
     if tp is not None:
         timed_methods(tp, ("all_reduce", "exchange", "vote", "check_scalars"), totals)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(args.device)
     for _ in range(args.warmup):
         step()
     frames, times, comm = [], [], []

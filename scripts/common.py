@@ -30,6 +30,11 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads{gpu}"
 
 
+def synchronizer(device: str):
+    """What waits for ``device``'s queued work before a clock is read (a CPU has none queued)."""
+    return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+
 def require_at_least(*checks: tuple[str, int, int]):
     """Exit with a one-line error at the first (flag, value, least) whose value is below least."""
     for flag, value, least in checks:
