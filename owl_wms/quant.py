@@ -190,7 +190,24 @@ def _scale_and_quantize(x, codec: Codec, dims: tuple, floor: float, scale_dtype,
     return (scale.to(scale_dtype), *_quantize(x, scale, codec, count))
 
 
+def _int8_decode(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    make_codec("int8").decode(q, scale, out.dtype, out)
+
+
+# int8 decoding inside compiled code on the CPU calls ATen's kernels through this operator, which
+# Inductor leaves as it is: Inductor's CPU code loads int8 eight bytes at a time through a scalar
+# copy (at::vec's partial ``loadu``), and ran the decode several times slower
+# (``python -m scripts.bench_kv --decode``). The products are the same: one rounding each.
+_OPS = torch.library.Library("owl_wms", "DEF")
+_OPS.define("int8_decode_cpu(Tensor q, Tensor scale, Tensor(a!) out) -> ()")
+_OPS.impl("int8_decode_cpu", _int8_decode, "CPU")
+_OPS.impl("int8_decode_cpu", lambda q, scale, out: None, "Meta")
+
+
 def _scaled_cast(q, scale, out):
+    if q.dtype == torch.int8 and q.device.type == "cpu":
+        torch.ops.owl_wms.int8_decode_cpu(q, scale, out)
+        return
     out.copy_(q.to(out.dtype) * scale.to(out.dtype))
 
 

@@ -64,7 +64,8 @@ class CausvidPipeline:
             self.core.transformer.compile(dynamic=False)
         self.decoder = decoder.to(self.device).eval() if decoder is not None else None
         if self.decoder is not None and s.compile:
-            self.decoder.compile()
+            # On the CPU a C++ wrapper calls the decoder's kernels without Python between them
+            self.decoder.compile(options={"cpp_wrapper": True} if self.device.type == "cpu" else None)
         # Noise is drawn where the model runs (no host-to-device copy in a frame); under tensor
         # parallelism rank 0 draws it on the host, as the step plan it broadcasts is pickled.
         self.noise_device = self.device if tp is None else torch.device("cpu")
