@@ -382,7 +382,7 @@ class QuantizedStaticCache(CacheUpdates):
             result.append(out[i])
         return result
 
-    def _work(self, frames: int):
+    def work_buffers(self, frames: int):
         """Reused K and V buffers for a window of ``frames`` frames: attention consumes one layer's
         window before the next layer (or a borrower right after its owner) asks for it again, so
         the hot path decodes into memory it already has instead of allocating every call."""
@@ -464,7 +464,7 @@ class QuantizedStaticCache(CacheUpdates):
         else:
             items = self._encode(layer, k, v, commit=self.should_update)
             m = self._history(layer, n)
-            work = self._work(m + n)  # history then this call's frames, decoded side by side
+            work = self.work_buffers(m + n)  # history then this call's frames, decoded side by side
             self._decode(layer, self.layout.read(store, m), work)
             keys, values = self._decode(layer, items, work, at=m)
             if self.should_update:
@@ -483,7 +483,7 @@ class QuantizedStaticCache(CacheUpdates):
         ring as attention reads it: bf16 tensors as they are, quantized ones decoded into
         working buffers."""
         quantizers = self.quant[layer]
-        work = self._work(store.capacity) if any(q.quantized for q in quantizers) else None
+        work = self.work_buffers(store.capacity) if any(q.quantized for q in quantizers) else None
         fused = work is not None and self._fused_ring_step(layer, store, k, v, work)
         items = None if fused else self._encode(layer, k, v, commit=self.should_update)
         self.ring_written(layer, self.should_update, items, k, v)
@@ -505,6 +505,18 @@ class QuantizedStaticCache(CacheUpdates):
             Layout._put(store, name, None if items is None else items[name], slot, store.written)
         if store.length == store.capacity:
             store.length -= 1  # the oldest frame's slot now holds this call's frame
+
+    def ring_frame_written(self, layer: int, commit: bool, tallies) -> None:
+        """The bookkeeping of one frame that compiled code (the frame graph) wrote into ``layer``'s
+        in-place ring and then read whole, as the eager ring keeps its own: ``tallies`` are K's
+        and V's advanced saturation counts (None for an unquantized tensor)."""
+        self.ring_written(layer, commit)
+        if commit:
+            c = self.config
+            for q, tally in zip(self.quant[layer], tallies):
+                if q.quantized:
+                    q.committed(self.batch_size * c.n_heads * self.tpf * c.head_dim, tally)
+        self._last_read[layer] = not commit
 
     def _fused_ring_step(self, layer, store, k, v, work) -> bool:
         """With compile on: encode, write and decode K and V of one frame in one compiled call

@@ -1,6 +1,7 @@
 """What each KV cache mode costs and saves, measured side by side in one run.
 
-    python -m scripts.bench_kv [--frames 12] [--device cpu] [--cuda-graph] [--skip-matrix] [--json out.json]
+    python -m scripts.bench_kv [--frames 12] [--device cpu] [--cuda-graph] [--skip-matrix] [--decode]
+                               [--decode-only] [--json out.json]
 
 1. Cache cost per frame at production shapes (16 layers with 4 global, 24 heads, head dim 64,
    60-frame window, 64 tokens/frame, local window 16): the cache work of one generated frame,
@@ -14,7 +15,9 @@
 3. The v0-v4 matrix of the original KV-cache notes on the shipped world (real pipeline,
    denoise + decode): no cache, bf16 cache, int8 cache, cross-layer sharing, int8 + sharing.
 4. With ``--decode``: one layer's 60-frame window decoded by each quantized codec, eagerly,
-   with its compiled kernel, and (fp8) by torch's own float8 cast, in alternation.
+   with its compiled kernel, and by the casts it replaces (fp8: torch's own float8 cast; int8:
+   Inductor's cast, which the compiled kernel leaves to ATen on the CPU), in alternation.
+   ``--decode-only`` measures this table alone.
 """
 from __future__ import annotations
 
@@ -181,6 +184,10 @@ def graph_cost(mode: CacheFrames, base: CacheFrames, frames: int, reps: int = 20
     return statistics.median(times) * 1000, statistics.median(ratios)
 
 
+def _int8_cast(q, scale, out):
+    out.copy_(q.to(out.dtype) * scale.to(out.dtype))
+
+
 def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
     """Median ms to decode one layer's whole window (per-token scales) into a bf16 buffer:
     each quantized codec's eager decode and compiled kernel, and torch's float8 cast for fp8,
@@ -199,6 +206,9 @@ def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
         methods = {"eager": lambda: codec.decode(q, scale, dtype, out=out)}
         fused = FUSED[name][1]
         methods["compiled"] = lambda: fused(q, scale, out)  # the kernel OWL_COMPILE=1 decodes with
+        if name == "int8":  # what OWL_COMPILE=1 decoded int8 with before it called ATen's kernels on the CPU
+            cast = torch.compile(_int8_cast, dynamic=True)
+            methods["Inductor's cast"] = lambda: cast(q, scale, out)
         if name.startswith("fp8"):
             methods["torch cast"] = lambda: torch.mul(q.to(dtype), scale.to(dtype), out=out)
             if fused is not _DECODE_FP8:
@@ -216,39 +226,8 @@ def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
     return rows
 
 
-def ratio_table(results: list[dict], key: str):
-    """Codec rows x layout columns of ``key``, eager / compiled in a cell."""
-    print(f"{'codec':<12}" + "".join(f"{lay:>16}" for lay in LAYOUTS))
-    for codec in CODECS:
-        cells = [" / ".join(f"{r[key]:.3f}" if key in r else "-" for r in results if r["codec"] == codec and r["layout"] == lay)
-                 for lay in LAYOUTS]
-        print(f"{codec:<12}" + "".join(f"{c:>16}" for c in cells))
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--frames", type=int, default=12, help="measured frames per cache mode")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--skip-matrix", action="store_true", help="skip the v0-v4 matrix on the shipped world")
-    p.add_argument("--checkpoint", default=None, help="world for the v0-v4 matrix (default: the shipped one)")
-    p.add_argument("--matrix-frames", type=int, default=48)
-    p.add_argument("--decode", action="store_true", help="also time each codec's decode of one layer's window")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="also time each mode's frame captured as a CUDA graph (kernels only: no Python or launch cost)")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    if args.cuda_graph and not args.device.startswith("cuda"):
-        p.error(f"--cuda-graph captures CUDA graphs; --device {args.device} has none (use --device cuda)")
-    sync = synchronizer(args.device)
-    cfg = ModelConfig.from_mapping({**PRODUCTION, "n_frames": WINDOW})
-    print(f"command: python -m scripts.bench_kv {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
-    print(f"torch {torch.__version__}; machine: {machine()}; device {args.device}, {args.dtype}")
-    print(f"production cache shapes: {cfg.n_layers} layers ({cfg.n_layers // cfg.local_idx} global), "
-          f"{cfg.n_heads} heads x {cfg.head_dim}, window {WINDOW} frames x {cfg.tokens_per_frame} tokens, "
-          f"local window {cfg.local_window}")
-
+def cache_rows(cfg: ModelConfig, args, dtype, sync) -> list[dict]:
+    """Parts 1 and 2: every layout x codec's cache cost per frame and memory, printed as tables."""
     base = CacheFrames(cfg, "roll", CODECS["bf16"], args.device, dtype, sync)
     if args.cuda_graph:
         graph_base = CacheFrames(cfg, "roll", CODECS["bf16"], args.device, dtype, sync)
@@ -290,16 +269,54 @@ def main(argv=None):
     for codec in CODECS:
         cells = [r for r in results if r["codec"] == codec and not r["compiled"]]
         print(f"{codec:<12}" + "".join(f"{r['bytes'] / ref['bytes']:>12.3f}" for r in cells))
+    return results
 
-    out = {"machine": machine(), "torch": torch.__version__, "cache": results}
-    if args.decode:
+
+def ratio_table(results: list[dict], key: str):
+    """Codec rows x layout columns of ``key``, eager / compiled in a cell."""
+    print(f"{'codec':<12}" + "".join(f"{lay:>16}" for lay in LAYOUTS))
+    for codec in CODECS:
+        cells = [" / ".join(f"{r[key]:.3f}" if key in r else "-" for r in results if r["codec"] == codec and r["layout"] == lay)
+                 for lay in LAYOUTS]
+        print(f"{codec:<12}" + "".join(f"{c:>16}" for c in cells))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, default=12, help="measured frames per cache mode")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--skip-matrix", action="store_true", help="skip the v0-v4 matrix on the shipped world")
+    p.add_argument("--checkpoint", default=None, help="world for the v0-v4 matrix (default: the shipped one)")
+    p.add_argument("--matrix-frames", type=int, default=48)
+    p.add_argument("--decode", action="store_true", help="also time each codec's decode of one layer's window")
+    p.add_argument("--decode-only", action="store_true", help="time only the decodes (--decode's table)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time each mode's frame captured as a CUDA graph (kernels only: no Python or launch cost)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.cuda_graph and not args.device.startswith("cuda"):
+        p.error(f"--cuda-graph captures CUDA graphs; --device {args.device} has none (use --device cuda)")
+    sync = synchronizer(args.device)
+    cfg = ModelConfig.from_mapping({**PRODUCTION, "n_frames": WINDOW})
+    print(f"command: python -m scripts.bench_kv {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    print(f"torch {torch.__version__}; machine: {machine()}; device {args.device}, {args.dtype}")
+    print(f"production cache shapes: {cfg.n_layers} layers ({cfg.n_layers // cfg.local_idx} global), "
+          f"{cfg.n_heads} heads x {cfg.head_dim}, window {WINDOW} frames x {cfg.tokens_per_frame} tokens, "
+          f"local window {cfg.local_window}")
+
+    out = {"machine": machine(), "torch": torch.__version__}
+    if not args.decode_only:
+        out["cache"] = cache_rows(cfg, args, dtype, sync)
+    if args.decode or args.decode_only:
         rows = decode_rows(cfg, args.device, dtype, sync, max(args.frames, 10))
         print(f"\nDecode of one layer's window ({cfg.n_heads} heads x {WINDOW} frames x {cfg.tokens_per_frame} "
               f"tokens x {cfg.head_dim}, per-token scales), median ms")
         for r in rows:
-            print(f"{r['codec']:<12} {r['method']:<12} {r['ms']:8.3f}")
+            print(f"{r['codec']:<12} {r['method']:<16} {r['ms']:8.3f}")
         out["decode"] = rows
-    if not args.skip_matrix:
+    if not (args.skip_matrix or args.decode_only):
         rows = world_rows(MATRIX, args.checkpoint, args.matrix_frames, args.device)
         print(f"\nv0-v4 on the shipped world ({args.matrix_frames} frames, denoise + decode, walk_turn actions)")
         print(f"{'mode':<24} {'FPS':>7} {'median ms':>10} {'KV MiB':>8}  flags")

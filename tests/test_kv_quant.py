@@ -7,7 +7,7 @@ from inference.flags import resolve_settings
 from owl_wms.cache import QuantizedStaticCache, RingGuardError, StaticCache, build_cache, plan_layers
 from owl_wms.engine.profiler import NoProfiler
 from owl_wms.layouts import Layout
-from owl_wms.quant import CODECS, Quantizer, ScalePolicy, make_codec, stored_scale
+from owl_wms.quant import CODECS, Quantizer, ScalePolicy, _scaled_cast, make_codec, stored_scale
 from owl_wms.settings import KVSettings, SettingsError
 
 from .conftest import fp32_settings, golden_decode, golden_error, golden_frames, random_model, tiny_config, tiny_world
@@ -51,6 +51,20 @@ def test_fused_kernels_match_the_eager_codecs(codec):
         ref = eager.decode(qe, se, torch.bfloat16)
         assert torch.equal(into.float().nan_to_num(-1), ref.float().nan_to_num(-1))
         assert (work[:, :, 0] == 7).all() and (work[:, :, -1] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_int8_decode_on_the_cpu_gives_the_casts_products(dtype):
+    """Compiled code on the CPU decodes int8 through owl_wms::int8_decode_cpu (ATen's kernels,
+    opaque to Inductor): inside a graph, into a strided slice, each value is q x scale rounded
+    once to the dtype, the product Inductor's own cast makes (and still makes on CUDA)."""
+    x = frames_like()
+    q, scale = Quantizer(make_codec("int8"), ScalePolicy("token")).encode(x, commit=False, scale_dtype=dtype)
+    work = torch.full((*x.shape[:2], x.shape[2] + 2, *x.shape[3:]), 7.0, dtype=dtype)
+    decode = torch.compile(lambda q, s, out: _scaled_cast(q, s, out), fullgraph=True, dynamic=False)
+    decode(q, scale, work[:, :, 1:-1])
+    assert torch.equal(work[:, :, 1:-1], q.to(dtype) * scale.to(dtype))
+    assert (work[:, :, 0] == 7).all() and (work[:, :, -1] == 7).all()
 
 
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2"])
@@ -549,6 +563,16 @@ def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
         slot = (s.written - 1) % s.capacity
         for n, b in s.bufs.items():
             assert torch.equal(b[:, :, slot].view(torch.uint8), before[n][:, :, slot].view(torch.uint8)), n
+
+
+def test_bench_kv_decode_table_times_each_codec_beside_the_casts_it_replaces():
+    from scripts import bench_kv
+
+    rows = bench_kv.decode_rows(tiny_config(), "cpu", torch.float32, lambda: None, 1)
+    methods = {(r["codec"], r["method"]) for r in rows}
+    assert {("int8", "eager"), ("int8", "compiled"), ("int8", "Inductor's cast"), ("fp8_e4m3", "torch cast"),
+            ("int4", "compiled")} <= methods
+    assert all(r["ms"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("layout", ["roll", "pointer", "inplace"])

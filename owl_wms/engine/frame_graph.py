@@ -79,7 +79,6 @@ class FrameGraph:
         self.bias = torch.zeros((), dtype=torch.float32, device=device)
         self.counts = None  # [layers, 2] int64: each ring's (written, valid) frames, made with the cache
         self.slots = {}  # capacity -> arange(capacity) on the device
-        self.values_per_frame = cfg.n_heads * self.tpf * cfg.head_dim  # K or V inputs of one write
         options = eager_division()  # in-graph quantization rounds as the eager codec does
         if device.type == "cuda":
             options["triton.cudagraphs"] = True  # replayed as a CUDA graph (mode "reduce-overhead")
@@ -171,7 +170,7 @@ class FrameGraph:
             entry, tally = [], []
             for name, q in zip("kv", cache.quant[layer]):
                 if q.quantized:
-                    work = cache._work(store.capacity)[0 if name == "k" else 1]
+                    work = cache.work_buffers(store.capacity)[0 if name == "k" else 1]
                     entry.append((store.bufs[name], store.bufs[f"{name}_scale"], work,
                                   (q.codec, q.policy.dims, q.policy.floor)))
                     tally.append(q.tally_tensor(self.device))
@@ -196,15 +195,6 @@ class FrameGraph:
         self.bias.fill_(float(bias))
         velocity, new_tallies = self.call(x, conditioning, self.frame, self.counts, self.bias, rings, tallies)
         self.calls += 1
-        for layer, (tk, tv) in zip(cache.stores, new_tallies):
-            self._account(cache, layer, commit, tk, tv)
+        for layer, layer_tallies in zip(cache.stores, new_tallies):
+            cache.ring_frame_written(layer, commit, layer_tallies)
         return velocity
-
-    def _account(self, cache, layer, commit: bool, tk, tv):
-        """The host's bookkeeping of one ring write, the cache's own (as its eager in-place ring)."""
-        cache.ring_written(layer, commit)
-        if commit:
-            for q, tally in zip(cache.quant[layer], (tk, tv)):
-                if q.quantized:
-                    q.committed(cache.batch_size * self.values_per_frame, tally)
-        cache._last_read[layer] = not commit
