@@ -190,25 +190,35 @@ def _scale_and_quantize(x, codec: Codec, dims: tuple, floor: float, scale_dtype,
     return (scale.to(scale_dtype), *_quantize(x, scale, codec, count))
 
 
-def _int8_decode(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    make_codec("int8").decode(q, scale, out.dtype, out)
+def _int8_decode(q: list[torch.Tensor], scale: list[torch.Tensor], out: list[torch.Tensor]) -> None:
+    codec = make_codec("int8")
+    for q_i, scale_i, out_i in zip(q, scale, out):
+        codec.decode(q_i, scale_i, out_i.dtype, out_i)
 
 
 # int8 decoding inside compiled code on the CPU calls ATen's kernels through this operator, which
 # Inductor leaves as it is: Inductor's CPU code loads int8 eight bytes at a time through a scalar
 # copy (at::vec's partial ``loadu``), and ran the decode several times slower
-# (``python -m scripts.bench_kv --decode``). The products are the same: one rounding each.
+# (``python -m scripts.bench_kv --decode-only``). The products are the same: one rounding each.
+# It takes lists, so a layer's K and V cost one call from compiled code.
 _OPS = torch.library.Library("owl_wms", "DEF")
-_OPS.define("int8_decode_cpu(Tensor q, Tensor scale, Tensor(a!) out) -> ()")
+_OPS.define("int8_decode_cpu(Tensor[] q, Tensor[] scale, Tensor(a!)[] out) -> ()")
 _OPS.impl("int8_decode_cpu", _int8_decode, "CPU")
 _OPS.impl("int8_decode_cpu", lambda q, scale, out: None, "Meta")
 
 
+def scaled_decode(rings: list[tuple]) -> None:
+    """Each ring ``(q, scale, out)`` of int8 or float8 values decoded into ``out``: q x scale."""
+    on_cpu = [r for r in rings if r[0].dtype == torch.int8 and r[0].device.type == "cpu"]
+    if on_cpu:
+        torch.ops.owl_wms.int8_decode_cpu(*(list(part) for part in zip(*on_cpu)))
+    for q, scale, out in rings:
+        if not (q.dtype == torch.int8 and q.device.type == "cpu"):
+            out.copy_(q.to(out.dtype) * scale.to(out.dtype))
+
+
 def _scaled_cast(q, scale, out):
-    if q.dtype == torch.int8 and q.device.type == "cpu":
-        torch.ops.owl_wms.int8_decode_cpu(q, scale, out)
-        return
-    out.copy_(q.to(out.dtype) * scale.to(out.dtype))
+    scaled_decode([(q, scale, out)])
 
 
 def _int4_unpack(q, scale, out):

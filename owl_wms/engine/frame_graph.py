@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..cache import QuantizedStaticCache
-from ..quant import _ring_tensor, eager_division
+from ..quant import _ring_tensor, eager_division, scaled_decode
 
 CODECS = ("bf16", "int8")  # the default modes: plain or one-pass int8 rings
 # Named off the traced line: with kernel profiling (scripts.bench_frame) Inductor's C++ wrapper
@@ -79,15 +79,14 @@ class FrameGraph:
         self.bias = torch.zeros((), dtype=torch.float32, device=device)
         self.counts = None  # [layers, 2] int64: each ring's (written, valid) frames, made with the cache
         self.slots = {}  # capacity -> arange(capacity) on the device
-        options = eager_division()  # in-graph quantization rounds as the eager codec does
+        # On the CPU a C++ wrapper makes each graph's kernel and library calls without a Python
+        # line each: in a host-bound frame that Python was the largest fixed cost.
+        wrapper = {"cpp_wrapper": True} if device.type == "cpu" else {}
+        options = {**wrapper, **eager_division()}  # in-graph quantization rounds as the eager codec does
         if device.type == "cuda":
             options["triton.cudagraphs"] = True  # replayed as a CUDA graph (mode "reduce-overhead")
-        else:
-            # A C++ wrapper runs the graph's ~100 kernel and library calls without a Python line
-            # each: on a host-bound CPU frame that Python was the largest fixed cost.
-            options["cpp_wrapper"] = True
         self.call = torch.compile(self._call, fullgraph=True, dynamic=False, options=options)
-        self.conditions = torch.compile(self._conditioning, fullgraph=True, dynamic=False)
+        self.conditions = torch.compile(self._conditioning, fullgraph=True, dynamic=False, options=wrapper)
         self.calls = 0
         self._timesteps: dict[tuple, torch.Tensor] = {}
 
@@ -116,8 +115,9 @@ class FrameGraph:
             (k_buf, k_scale, k_work, k_spec), (v_buf, v_scale, v_work, v_spec) = rings[i]
             capacity = k_buf.shape[2]
             slot = torch.remainder(written, capacity).view(1)
-            keys, tk = self._ring(k, k_buf, k_scale, k_work, k_spec, slot, tallies[i][0])
-            values, tv = self._ring(v, v_buf, v_scale, v_work, v_spec, slot, tallies[i][1])
+            keys, tk, k_decode = self._ring(k, k_buf, k_scale, k_work, k_spec, slot, tallies[i][0])
+            values, tv, v_decode = self._ring(v, v_buf, v_scale, v_work, v_spec, slot, tallies[i][1])
+            scaled_decode([d for d in (k_decode, v_decode) if d is not None])  # K and V in one call
             new_tallies.append((tk, tv))
             # the frame's own slot has age 0; a slot is visible while its age is below the
             # frames present after this write (the valid ones and this one, at most the ring)
@@ -133,16 +133,17 @@ class FrameGraph:
         return rearrange(out, "b (n h w) c -> b n c h w", n=n, h=h, w=w), new_tallies
 
     def _ring(self, x, buf, scale, work, spec, slot, tally):
-        """This frame's K or V [b, h, tpf, dh] into ring slot ``slot``; the ring as attention reads
-        it [b, h, capacity * tpf, dh] (a quantized ring decoded into ``work``) and the tally."""
+        """This frame's K or V [b, h, tpf, dh] into ring slot ``slot``; the ring as attention will
+        read it [b, h, capacity * tpf, dh], the tally, and for a quantized ring what decodes it
+        into ``work`` (the caller decodes K and V together)."""
         b, heads, _, dh = x.shape
         frame = x.view(b, heads, 1, self.tpf, dh)
         if spec is None:  # plain ring: attention reads the storage itself
             buf.index_copy_(2, slot, frame)
-            return buf.flatten(2, 3), tally
+            return buf.flatten(2, 3), tally, None
         codec, dims, floor = spec
-        tally = _ring_tensor(frame, buf, scale, slot, work.view(*buf.shape[:-1], -1), tally, codec, dims, floor)
-        return work, tally
+        tally = _ring_tensor(frame, buf, scale, slot, None, tally, codec, dims, floor)
+        return work, tally, (buf, scale, work.view(*buf.shape[:-1], -1))
 
     # -- one call --------------------------------------------------------------------------------
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
