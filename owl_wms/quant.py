@@ -198,7 +198,7 @@ def _int8_decode(q: list[torch.Tensor], scale: list[torch.Tensor], out: list[tor
 
 # int8 decoding inside compiled code on the CPU calls ATen's kernels through this operator, which
 # Inductor leaves as it is: Inductor's CPU code loads int8 eight bytes at a time through a scalar
-# copy (at::vec's partial ``loadu``), and ran the decode several times slower
+# copy (at::vec's partial ``loadu``), and ran the decode 2-2.6x slower
 # (``python -m scripts.bench_kv --decode-only``). The products are the same: one rounding each.
 # It takes lists, so a layer's K and V cost one call from compiled code.
 _OPS = torch.library.Library("owl_wms", "DEF")

@@ -189,8 +189,8 @@ def _int8_cast(q, scale, out):
 
 
 def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
-    """Median ms to decode one layer's whole window (per-token scales) into a bf16 buffer:
-    each quantized codec's eager decode and compiled kernel, and torch's float8 cast for fp8,
+    """Median ms to decode one layer's whole window (per-token scales) into a ``dtype`` buffer:
+    each quantized codec's eager decode and compiled kernel, the casts they replace,
     the methods of a codec taking turns so drift touches them alike."""
     from owl_wms.quant import _DECODE_FP8, FUSED, Quantizer, ScalePolicy, make_codec
 

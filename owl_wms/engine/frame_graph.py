@@ -20,7 +20,8 @@ eager in-place ring does); only the host's bookkeeping (counts, slot tags, the i
 tells a committed write from a scratch one. The host keeps that bookkeeping exactly as the
 eager path does, so prefill, hard cuts, recomputes, snapshots and the other modes share the
 one cache. On CUDA the graph is captured by torch.compile's CUDA graphs (mode
-"reduce-overhead"), its inputs copied into static buffers.
+"reduce-overhead"), its inputs copied into static buffers; on the CPU it runs under Inductor's
+C++ wrapper, and int8 rings are decoded by ATen's kernels (``quant.scaled_decode``).
 """
 from __future__ import annotations
 
