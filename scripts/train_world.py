@@ -134,8 +134,14 @@ def main(argv=None):
         data = LatentEpisodes(args.latents, vae_scale, frames, args.open_turn_weight)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"error: --latents {args.latents}: {exc}") from None
-    if args.compile:  # a compiler failure on a new machine costs speed, not the run: eager, with its message
-        torch._dynamo.config.suppress_errors = True
+    # a compiler failure on a new machine costs speed, not the run: eager, with its message (only
+    # for this run: the setting is process-wide)
+    with torch._dynamo.config.patch(suppress_errors=bool(args.compile)):
+        train(p, args, world, init, data, frames, vae_scale)
+
+
+def train(p, args, world, init, data, frames: int, vae_scale: float):
+    """The training loop of ``main`` on checked arguments; resumes from the state in ``--out``."""
     torch.manual_seed(args.seed)
     model, ema, opt, sched = world_trainer(world.model, args.lr, args.steps, args.device, args.compile)
     gen = torch.Generator().manual_seed(args.seed)

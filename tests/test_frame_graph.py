@@ -11,12 +11,16 @@ from owl_wms.settings import KVSettings
 
 from .conftest import fp32_settings, random_model, tiny_config, tiny_world
 
+
 @pytest.fixture(autouse=True)
 def compile_or_fail():
     """A graph that stops compiling (dynamo's recompile limit) would run eagerly and make
-    "no recompile" hold vacuously: here it fails instead."""
+    "no recompile" hold vacuously: here it fails instead. Each test starts with no compiled
+    graphs, so the graphs that earlier tests in the process compiled for their own models do
+    not count against the limit of the code objects they share."""
     import torch._dynamo.config
 
+    torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         yield
 
