@@ -207,14 +207,20 @@ _OPS.impl("int8_decode_cpu", _int8_decode, "CPU")
 _OPS.impl("int8_decode_cpu", lambda q, scale, out: None, "Meta")
 
 
+def cast_decode(q, scale, out):
+    """``out`` = q x scale as a cast and a multiply, which compiled code fuses into one kernel."""
+    out.copy_(q.to(out.dtype) * scale.to(out.dtype))
+
+
 def scaled_decode(rings: list[tuple]) -> None:
     """Each ring ``(q, scale, out)`` of int8 or float8 values decoded into ``out``: q x scale."""
-    on_cpu = [r for r in rings if r[0].dtype == torch.int8 and r[0].device.type == "cpu"]
-    if on_cpu:
-        torch.ops.owl_wms.int8_decode_cpu(*(list(part) for part in zip(*on_cpu)))
-    for q, scale, out in rings:
-        if not (q.dtype == torch.int8 and q.device.type == "cpu"):
-            out.copy_(q.to(out.dtype) * scale.to(out.dtype))
+    by_aten, cast = [], []
+    for ring in rings:
+        (by_aten if ring[0].dtype == torch.int8 and ring[0].device.type == "cpu" else cast).append(ring)
+    if by_aten:
+        torch.ops.owl_wms.int8_decode_cpu(*(list(part) for part in zip(*by_aten)))
+    for ring in cast:
+        cast_decode(*ring)
 
 
 def _scaled_cast(q, scale, out):

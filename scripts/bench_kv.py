@@ -184,15 +184,11 @@ def graph_cost(mode: CacheFrames, base: CacheFrames, frames: int, reps: int = 20
     return statistics.median(times) * 1000, statistics.median(ratios)
 
 
-def _int8_cast(q, scale, out):
-    out.copy_(q.to(out.dtype) * scale.to(out.dtype))
-
-
 def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
     """Median ms to decode one layer's whole window (per-token scales) into a ``dtype`` buffer:
     each quantized codec's eager decode and compiled kernel, the casts they replace,
     the methods of a codec taking turns so drift touches them alike."""
-    from owl_wms.quant import _DECODE_FP8, FUSED, Quantizer, ScalePolicy, make_codec
+    from owl_wms.quant import _DECODE_FP8, FUSED, Quantizer, ScalePolicy, cast_decode, make_codec
 
     torch._dynamo.reset()  # the cache modes above used up compile-cache entries of these kernels
 
@@ -207,7 +203,7 @@ def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
         fused = FUSED[name][1]
         methods["compiled"] = lambda: fused(q, scale, out)  # the kernel OWL_COMPILE=1 decodes with
         if name == "int8":  # what OWL_COMPILE=1 decoded int8 with before it called ATen's kernels on the CPU
-            cast = torch.compile(_int8_cast, dynamic=True)
+            cast = torch.compile(cast_decode, dynamic=True)
             methods["Inductor's cast"] = lambda: cast(q, scale, out)
         if name.startswith("fp8"):
             methods["torch cast"] = lambda: torch.mul(q.to(dtype), scale.to(dtype), out=out)
