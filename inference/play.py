@@ -95,8 +95,10 @@ class Controls:
             elif event.type in (pygame.MOUSEBUTTONDOWN, pygame.MOUSEBUTTONUP) and event.button in self.mouse_buttons:
                 self.buttons[self.mouse_buttons[event.button]] = int(event.type == pygame.MOUSEBUTTONDOWN)
             elif event.type == pygame.MOUSEMOTION and self.grabbed:
-                self.dx += event.rel[0]
-                self.dy += event.rel[1]
+                # Scaled as it arrives: motion made before a sensitivity change keeps its scale
+                # even when the worker takes it a few frames later.
+                self.dx += event.rel[0] * self.sensitivity
+                self.dy += event.rel[1] * self.sensitivity
 
     def release_all(self):
         with self._lock:
@@ -108,9 +110,9 @@ class Controls:
             return list(self.buttons)
 
     def take(self) -> tuple[list[float], list[int]]:
-        """The controls for the frame that starts now; mouse motion is consumed and scaled."""
+        """The controls for the frame that starts now; mouse motion (already scaled) is consumed."""
         with self._lock:
-            mouse = [round(self.dx * self.sensitivity, 4), round(self.dy * self.sensitivity, 4)]
+            mouse = [round(self.dx, 4), round(self.dy, 4)]
             self.dx = self.dy = 0.0
             return mouse, list(self.buttons)
 
