@@ -153,10 +153,11 @@ class DiTBlock(nn.Module):
                               cfg.decode_window(layer))
         self.mlp = MLP(d, 4 * d, d)
 
-    def conditioning(self, cond) -> tuple:
-        """What the block's AdaLNs and gates take from the conditioning (a frame graph makes
-        these once a frame): adaln1, gate1, adaln2 and gate2 ``params``."""
-        return tuple(m.params(cond) for m in (self.adaln1, self.gate1, self.adaln2, self.gate2))
+    def conditioning_linears(self) -> tuple[nn.Linear, ...]:
+        """The linears that make what the block's AdaLNs and gates take from the conditioning
+        ``cond``, each applied to silu(cond): adaln1, gate1, adaln2 and gate2 (a frame graph
+        makes these once a frame, as one matmul)."""
+        return self.adaln1.fc, self.gate1.fc_c, self.adaln2.fc, self.gate2.fc_c
 
     # The block is split around the cache: the two halves are pure tensor code (what
     # torch.compile sees), the cache read/write between them stays eager.
@@ -263,6 +264,11 @@ class GameRFTCore(nn.Module):
         self.transformer = Transformer(config)
         self.proj_out = FinalLayer(d, config.channels)
         self.rope = make_rope(config)
+
+    def conditioning_linears(self) -> list[nn.Linear]:
+        """Every linear applied to silu(cond): each block's (``DiTBlock.conditioning_linears``),
+        then the output layer's AdaLN."""
+        return [m for block in self.transformer.blocks for m in block.conditioning_linears()] + [self.proj_out.norm.fc]
 
     def check_inputs(self, x, t, mouse, button):
         c, s = self.config.channels, self.config.sample_size

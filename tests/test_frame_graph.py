@@ -35,11 +35,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device (run on a GPU machine)"))]
 
 
-def pipeline(storage: str, compile: bool, **settings) -> CausvidPipeline:
+def pipeline(storage: str, compile: bool, dtype=torch.float32, model=None, **settings) -> CausvidPipeline:
     cfg = tiny_config()
     kv = KVSettings(ring_mode="inplace", fmt_k=storage, fmt_v=storage)
-    pipe = CausvidPipeline(random_model(cfg), None, tiny_world(cfg, WINDOW),
-                           fp32_settings(compile=compile, kv=kv, **settings), verbose=False)
+    pipe = CausvidPipeline(model or random_model(cfg), None, tiny_world(cfg, WINDOW),
+                           fp32_settings(compile=compile, kv=kv, **settings).replace(dtype=dtype), verbose=False)
     pipe.prefill(*history(cfg, seed=1))
     return pipe
 
@@ -71,6 +71,74 @@ def test_the_graph_gives_the_eager_frames_within_float_rounding(storage, device)
         pipe.prefill(*history(pipe.cfg, seed=3, frames=2))  # a short history: rings not yet full
     assert (play(eager, 4) - play(compiled, 4)).abs().max() <= TOLERANCE[storage]
     assert eager.cache.quant_stats() == compiled.cache.quant_stats()  # the same writes were committed
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_in_bf16_on_the_cpu_the_graph_is_as_close_to_fp32_as_the_eager_step(storage):
+    """On the CPU in bf16 the graph attends by matmul-softmax-matmul, whose logits are rounded
+    to bf16 (attention.matmul_attention), and makes the AdaLN and gate parameters by one packed
+    matmul: over two ring wrap-arounds, then a short history (slots masked out) under an
+    attention bias, its frames stay as close to the fp32 frames as the eager bf16 step's do (RMS
+    distance within 1.25x of the eager one's)."""
+    from owl_wms.attention import matmul_attention
+
+    def frames(pipe):
+        wraps = play(pipe, 2 * WINDOW)
+        pipe.hard_cut(*history(pipe.cfg, seed=3, frames=2))
+        pipe.kv_cache_attention_bias = -1.0
+        return torch.cat([wraps, play(pipe, 2)], dim=1).float()
+
+    compiled = pipeline(storage, True, dtype=torch.bfloat16)
+    assert compiled.frame_graph.attention is matmul_attention
+    reference, eager, graph = (frames(pipe) for pipe in (pipeline(storage, False),
+                                                         pipeline(storage, False, dtype=torch.bfloat16), compiled))
+    rms = lambda x: x.pow(2).mean().sqrt()  # noqa: E731
+    for part in (slice(0, 2 * WINDOW), slice(2 * WINDOW, None)):  # full rings; the short biased history
+        assert 0 < rms(graph[:, part] - reference[:, part]) <= 1.25 * rms(eager[:, part] - reference[:, part])
+
+
+def test_matmul_attention_is_sdpa_under_an_additive_mask():
+    """In fp32 the frame graph's CPU attention (for bf16) is SDPA's arithmetic: masked-out slots
+    (-inf) and a bias on the others."""
+    from owl_wms.attention import matmul_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (8, 40, 40))
+    mask = torch.zeros(1, 40)
+    mask[:, 8:24], mask[:, 24:] = float("-inf"), -1.5
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    assert torch.allclose(matmul_attention(q, k, v, mask, 0.25), expected, atol=1e-6)
+
+
+def test_the_packed_conditioning_linears_are_the_model_weights_and_follow_their_changes():
+    """The AdaLN, gate and output-layer linears run as one matmul over a pack that the model's
+    weights are views of (no second copy; the Parameter objects an optimizer holds stay), so a
+    state-dict load reaches the graph; weights replaced since (``.data`` assigned, as ``.to()``
+    does) are packed again."""
+    cfg = tiny_config()
+    model = random_model(cfg)
+    params = list(model.parameters())
+    compiled = pipeline("bf16", True, model=model)
+    pack, linears = compiled.frame_graph.pack, compiled.core.conditioning_linears()
+    assert all(p is q for p, q in zip(compiled.model.parameters(), params, strict=True))
+    storage = pack.weight.untyped_storage().data_ptr()
+    assert all(lin.weight.untyped_storage().data_ptr() == storage for lin in linears)
+    assert pack.weight.shape[0] == sum(lin.out_features for lin in linears) == cfg.n_layers * 6 * cfg.d_model + 2 * cfg.d_model
+
+    def same_frames(eager):
+        for pipe in (eager, compiled):
+            pipe.hard_cut(*history(cfg, seed=1))
+        return (play(eager, WINDOW) - play(compiled, WINDOW)).abs().max() <= TOLERANCE["bf16"]
+
+    other = random_model(cfg, seed=5)
+    compiled.model.load_state_dict(other.state_dict())  # in place, into the pack
+    eager = pipeline("bf16", False, model=other)
+    assert same_frames(eager)
+    for pipe in (eager, compiled):
+        for lin in pipe.core.conditioning_linears():
+            lin.weight.data = lin.weight.data * 0.5  # new tensors, outside the pack
+    assert same_frames(eager)
+    assert pack.weight.untyped_storage().data_ptr() != storage  # packed again
 
 
 @pytest.mark.parametrize("device", DEVICES)

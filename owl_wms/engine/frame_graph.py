@@ -13,7 +13,8 @@ changes from call to call enters it as tensors, so it never recompiles:
 - the soft-forgetting bias, added to every visible slot but the frame's own;
 - the conditioning: the timestep and control embeddings and every AdaLN and gate linear are
   made once a frame, for all the sampler's timesteps together (only t changes between the
-  calls of a frame), by a second compiled function.
+  calls of a frame), by a second compiled function; the AdaLN and gate linears, which all read
+  silu(conditioning), run as one matmul over their packed weights (``ConditioningPack``).
 
 Both calls of a frame write the frame's K/V into the slot the committing call owns (as the
 eager in-place ring does); only the host's bookkeeping (counts, slot tags, the int8 tallies)
@@ -21,7 +22,8 @@ tells a committed write from a scratch one. The host keeps that bookkeeping exac
 eager path does, so prefill, hard cuts, recomputes, snapshots and the other modes share the
 one cache. On CUDA the graph is captured by torch.compile's CUDA graphs (mode
 "reduce-overhead"), its inputs copied into static buffers; on the CPU it runs under Inductor's
-C++ wrapper, and int8 rings are decoded by ATen's kernels (``quant.scaled_decode``).
+C++ wrapper, int8 rings are decoded by ATen's kernels (``quant.scaled_decode``), and in bf16
+attention is a plain matmul-softmax-matmul (``attention.matmul_attention``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..attention import matmul_attention
 from ..cache import QuantizedStaticCache
 from ..quant import _ring_tensor, eager_division, scaled_decode
 
@@ -65,6 +68,42 @@ def frame_graph_blocker(settings, plans, tp) -> str | None:
     return None
 
 
+def sdpa_attention(q, k, v, mask, scale: float):
+    """SDPA under the additive float ``mask`` (``matmul_attention``'s signature)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)
+
+
+class ConditioningPack:
+    """The model's AdaLN, gate and output-layer linears (``conditioning_linears``) as one weight
+    and bias. They all read silu(conditioning): at batch 1 each is a one-row matmul whose cost
+    is the call, 4 a block, so packed they cost one call. The linears' ``.data`` becomes views
+    of the pack (their Parameter objects stay): memory is unchanged and in-place updates of the
+    weights (a state-dict load) reach the pack. Weights moved or replaced since are packed again
+    (``current``)."""
+
+    def __init__(self, linears: list):
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight, self.bias = self._pack()
+
+    def _pointers(self) -> list[int]:
+        return [p.data_ptr() for lin in self.linears for p in (lin.weight, lin.bias)]
+
+    def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = torch.cat([lin.weight.detach() for lin in self.linears])
+        bias = torch.cat([lin.bias.detach() for lin in self.linears])
+        for lin, w, b in zip(self.linears, weight.split(self.sizes), bias.split(self.sizes)):
+            lin.weight.data, lin.bias.data = w, b
+        self._packed = self._pointers()
+        return weight, bias
+
+    def current(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed weight and bias, packed again if a linear's weights no longer lie in them."""
+        if self._pointers() != self._packed:
+            self.weight, self.bias = self._pack()
+        return self.weight, self.bias
+
+
 class FrameGraph:
     """One generated frame's model call as one compiled graph over the pipeline's in-place ring."""
 
@@ -80,6 +119,9 @@ class FrameGraph:
         self.bias = torch.zeros((), dtype=torch.float32, device=device)
         self.counts = None  # [layers, 2] int64: each ring's (written, valid) frames, made with the cache
         self.slots = {}  # capacity -> arange(capacity) on the device
+        self.pack = ConditioningPack(core.conditioning_linears())
+        # SDPA's CPU kernel is slow on a frame's queries in bf16 (see matmul_attention)
+        self.attention = matmul_attention if device.type == "cpu" and dtype != torch.float32 else sdpa_attention
         # On the CPU a C++ wrapper makes each graph's kernel and library calls without a Python
         # line each: in a host-bound frame that Python was the largest fixed cost.
         wrapper = {"cpp_wrapper": True} if device.type == "cpu" else {}
@@ -92,13 +134,13 @@ class FrameGraph:
         self._timesteps: dict[tuple, torch.Tensor] = {}
 
     # -- the graphs ------------------------------------------------------------------------------
-    def _conditioning(self, t, mouse, buttons):
+    def _conditioning(self, t, mouse, buttons, weight, bias):
         core = self.core
         cond = core.t_embed(t)  # [k, 1, d]: the k timesteps of the frame's calls
         if not self.uncond:
             cond = cond + core.control_embed(mouse, buttons)
-        blocks = [block.conditioning(cond) for block in core.transformer.blocks]
-        final = core.proj_out.params(cond)
+        params = F.linear(F.silu(cond), weight, bias).split(self.pack.sizes, dim=-1)  # the pack's order
+        blocks, final = [params[i:i + 4] for i in range(0, len(params) - 1, 4)], params[-1]
         return [([tuple(p[i:i + 1] for p in block) for block in blocks], final[i:i + 1]) for i in range(t.shape[0])]
 
     def _call(self, x, conditioning, frame, counts, bias, rings: list, tallies: list):
@@ -126,8 +168,7 @@ class FrameGraph:
             present = torch.clamp(valid + 1, max=capacity)
             add = torch.where(age < present, torch.where(age == 0, torch.zeros_like(bias), bias),
                               torch.full_like(bias, float("-inf")))
-            mask = add.repeat_interleave(tpf)[None].to(q.dtype)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
+            y = self.attention(q, keys, values, add.repeat_interleave(tpf)[None], 1.0 / math.sqrt(q.shape[-1]))
             tokens = tokens + block.gate1.modulate(block.attn.out(rearrange(y, MERGE_HEADS)), gate1)
             tokens = tokens + block.gate2.modulate(block.mlp(block.adaln2.modulate(tokens, adaln2)), gate2)
         out = core.proj_out.modulate(tokens, final)
@@ -161,7 +202,7 @@ class FrameGraph:
         if t is None:
             t = torch.tensor(schedule[:-1], dtype=self.dtype).view(-1, 1)
             t = self._timesteps[tuple(schedule)] = t.to(self.device)
-        return self.conditions(t, mouse, buttons)
+        return self.conditions(t, mouse, buttons, *self.pack.current())
 
     def __call__(self, cache: QuantizedStaticCache, x, conditioning, bias: float, commit: bool) -> torch.Tensor:
         """Velocity [1, 1, c, h, w] of one frame ``x`` under ``conditioning`` (this call's entry of
