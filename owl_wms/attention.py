@@ -184,11 +184,11 @@ def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
 
 def matmul_attention(q, k, v, mask, scale: float):
     """Attention as a matmul, a softmax in fp32 and a matmul, under the additive float ``mask``
-    [Tq or 1, Tk]. For a frame's queries over a ring on a CPU in bf16 it ran about twice as fast
-    as SDPA's flash kernel (``python -m scripts.bench_frame``, its attention table), which
-    splits 64 queries into blocks too small for its matmuls. The logits are rounded to bf16 by
-    the first matmul (SDPA keeps them in fp32): tests/test_frame_graph.py bounds what that
-    costs against an fp32 reference."""
+    [Tq or 1, Tk]. Compiled, for a frame's queries over a ring on a CPU with native bf16, it ran
+    1.6-3x as fast as SDPA's flash kernel in bf16, and as fast in fp32 (``python -m
+    scripts.bench_frame``, its attention table; docs/frame_graph.md). The logits are rounded to
+    bf16 by the first matmul (SDPA keeps them in fp32): tests/test_frame_graph.py bounds what
+    that costs against an fp32 reference."""
     logits = torch.matmul(q, k.transpose(-1, -2)).float() * scale + mask
     return torch.matmul(logits.softmax(-1).to(v.dtype), v)
 

@@ -58,7 +58,11 @@ def test_bench_train_times_eager_compiled_and_dense_steps(tmp_path):
 def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path):
     bench("bench_frame", "--frames", 1, "--warmup", 1, "--profile-frames", 1, "--prod-layers", 0, "--dtype", "fp32",
           "--json", tmp_path / "frame.json")
-    rows = json.loads((tmp_path / "frame.json").read_text())["rows"]
+    report = json.loads((tmp_path / "frame.json").read_text())
+    rows = report["rows"]
+    # the shipped world's ring lengths: its global layers' 32 slots and its local layers' 8
+    assert sorted(a["keys"] for a in report["attention"]) == [8 * 64, 32 * 64]
+    assert all(a["dtype"] == "float32" and a["sdpa_us"] > 0 and a["matmul_us"] > 0 for a in report["attention"])
     assert [r["path"] for r in rows] == ["eager, int8 in-place", "compiled per block, int8 in-place",
                                          "frame graph, int8 in-place", "frame graph, bf16 in-place",
                                          "eager, bf16 roll (the original's layout)"]
