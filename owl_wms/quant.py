@@ -196,11 +196,13 @@ def _int8_decode(q: list[torch.Tensor], scale: list[torch.Tensor], out: list[tor
         codec.decode(q_i, scale_i, out_i.dtype, out_i)
 
 
-# int8 decoding inside compiled code on the CPU calls ATen's kernels through this operator, which
-# Inductor leaves as it is: Inductor's CPU code loads int8 eight bytes at a time through a scalar
-# copy (at::vec's partial ``loadu``), and ran the decode 2-2.6x slower
-# (``python -m scripts.bench_kv --decode-only``). The products are the same: one rounding each.
-# It takes lists, so a layer's K and V cost one call from compiled code.
+# int8 decoding inside compiled code on a CPU without AVX512 calls ATen's kernels through this
+# operator, which Inductor leaves as it is: there Inductor's CPU code loads int8 eight bytes at a
+# time through a scalar copy (at::vec's partial ``loadu``) and ran the decode 2-2.6x slower than
+# ATen; on an AVX512 CPU its own cast ran 3x faster than ATen's (``python -m scripts.bench_kv
+# --decode-only``, docs/kv_modes.md). The products are the same: one rounding each. The
+# operator takes lists, so a layer's K and V cost one call from compiled code.
+INT8_DECODE_BY_ATEN = torch.backends.cpu.get_cpu_capability() != "AVX512"
 _OPS = torch.library.Library("owl_wms", "DEF")
 _OPS.define("int8_decode_cpu(Tensor[] q, Tensor[] scale, Tensor(a!)[] out) -> ()")
 _OPS.impl("int8_decode_cpu", _int8_decode, "CPU")
@@ -216,7 +218,8 @@ def scaled_decode(rings: list[tuple]) -> None:
     """Each ring ``(q, scale, out)`` of int8 or float8 values decoded into ``out``: q x scale."""
     by_aten, cast = [], []
     for ring in rings:
-        (by_aten if ring[0].dtype == torch.int8 and ring[0].device.type == "cpu" else cast).append(ring)
+        aten = INT8_DECODE_BY_ATEN and ring[0].dtype == torch.int8 and ring[0].device.type == "cpu"
+        (by_aten if aten else cast).append(ring)
     if by_aten:
         torch.ops.owl_wms.int8_decode_cpu(*(list(part) for part in zip(*by_aten)))
     for ring in cast:

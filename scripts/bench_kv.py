@@ -16,7 +16,8 @@
    denoise + decode): no cache, bf16 cache, int8 cache, cross-layer sharing, int8 + sharing.
 4. With ``--decode``: one layer's 60-frame window decoded by each quantized codec, eagerly,
    with its compiled kernel, and by the casts it replaces (fp8: torch's own float8 cast; int8:
-   Inductor's cast, which the compiled kernel leaves to ATen on the CPU), in alternation.
+   Inductor's cast, which the compiled kernel leaves to ATen on CPUs without AVX512), in
+   alternation.
    ``--decode-only`` measures this table alone.
 """
 from __future__ import annotations
@@ -202,7 +203,7 @@ def decode_rows(cfg: ModelConfig, device, dtype, sync, reps: int) -> list[dict]:
         methods = {"eager": lambda: codec.decode(q, scale, dtype, out=out)}
         fused = FUSED[name][1]
         methods["compiled"] = lambda: fused(q, scale, out)  # the kernel OWL_COMPILE=1 decodes with
-        if name == "int8":  # what OWL_COMPILE=1 decoded int8 with before it called ATen's kernels on the CPU
+        if name == "int8":  # what OWL_COMPILE=1 decodes int8 with on CUDA and AVX512 CPUs (elsewhere ATen's kernels)
             cast = torch.compile(cast_decode, dynamic=True)
             methods["Inductor's cast"] = lambda: cast(q, scale, out)
         if name.startswith("fp8"):

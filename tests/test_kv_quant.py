@@ -53,11 +53,16 @@ def test_fused_kernels_match_the_eager_codecs(codec):
         assert (work[:, :, 0] == 7).all() and (work[:, :, -1] == 7).all()
 
 
+@pytest.mark.parametrize("by_aten", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_int8_decode_on_the_cpu_gives_the_casts_products(dtype):
-    """Compiled code on the CPU decodes int8 through owl_wms::int8_decode_cpu (ATen's kernels,
-    opaque to Inductor): inside a graph, into a strided slice, each value is q x scale rounded
-    once to the dtype, the product Inductor's own cast makes (and still makes on CUDA)."""
+def test_compiled_int8_decode_on_the_cpu_gives_the_casts_products(dtype, by_aten, monkeypatch):
+    """Compiled code on a CPU without AVX512 decodes int8 through owl_wms::int8_decode_cpu
+    (ATen's kernels, opaque to Inductor), on an AVX512 CPU by Inductor's own cast: either way,
+    inside a graph, into a strided slice, each value is q x scale rounded once to the dtype."""
+    import owl_wms.quant
+
+    monkeypatch.setattr(owl_wms.quant, "INT8_DECODE_BY_ATEN", by_aten)
+    torch._dynamo.reset()  # the route is read when the graph is traced
     x = frames_like()
     q, scale = Quantizer(make_codec("int8"), ScalePolicy("token")).encode(x, commit=False, scale_dtype=dtype)
     work = torch.full((*x.shape[:2], x.shape[2] + 2, *x.shape[3:]), 7.0, dtype=dtype)
