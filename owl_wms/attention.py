@@ -185,7 +185,7 @@ def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
 def matmul_attention(q, k, v, mask, scale: float):
     """Attention as a matmul, a softmax in fp32 and a matmul, under the additive float ``mask``
     [Tq or 1, Tk]. Compiled, for a frame's queries over a ring on a CPU with native bf16, it ran
-    1.6-3x as fast as SDPA's flash kernel in bf16, and as fast in fp32 (``python -m
+    1.5-2.5x as fast as SDPA's flash kernel in bf16, and as fast in fp32 (``python -m
     scripts.bench_frame``, its attention table; docs/frame_graph.md). The logits are rounded to
     bf16 by the first matmul (SDPA keeps them in fp32): tests/test_frame_graph.py bounds what
     that costs against an fp32 reference."""

@@ -22,8 +22,9 @@ tells a committed write from a scratch one. The host keeps that bookkeeping exac
 eager path does, so prefill, hard cuts, recomputes, snapshots and the other modes share the
 one cache. On CUDA the graph is captured by torch.compile's CUDA graphs (mode
 "reduce-overhead"), its inputs copied into static buffers; on the CPU it runs under Inductor's
-C++ wrapper, int8 rings are decoded by ATen's kernels (``quant.scaled_decode``), and in bf16
-attention is a plain matmul-softmax-matmul (``attention.matmul_attention``).
+C++ wrapper, int8 rings are decoded by ATen's kernels where Inductor's own int8 loads are slow
+(``quant.scaled_decode``), and in bf16 attention is a plain matmul-softmax-matmul
+(``attention.matmul_attention``).
 """
 from __future__ import annotations
 
