@@ -15,9 +15,10 @@ frame so drift in the machine's speed touches every ratio alike. Reported per pa
   wall time, from torch.profiler over a few frames;
 - the floor: the frame's FLOPs (torch.utils.flop_counter) over this machine's measured matmul
   rate in the model's dtype;
-- per model and dtype, one frame's attention over each ring length of its layers, by SDPA and
-  by matmul-softmax-matmul (``attention.matmul_attention``, the frame graph's choice on a CPU in
-  bf16), each compiled as the frame graph compiles it, in microseconds.
+- on a CPU, per model and dtype, one frame's attention over each ring length of its layers, by
+  SDPA and by matmul-softmax-matmul (``attention.matmul_attention``, the frame graph's choice on
+  a CPU in bf16), each compiled as the frame graph compiles it, in microseconds (on CUDA the
+  graph always takes SDPA, so the table is skipped there).
 
 ``--original PATH``: a checkout of Wayfarer-Labs/owl-wms, branch laptop_inference_v2_bf16 (needs
 rotary-embedding-torch). Its GameRFTCore, StaticCache and two-step loop run on the same weights,
@@ -173,35 +174,31 @@ def frame_flops(path) -> int:
     return counter.get_total_flops()
 
 
-def attention_times(cfg, window: int, dtype, device, repeats: int = 50) -> list[dict]:
+def attention_times(cfg, window: int, dtype, repeats: int = 50) -> list[dict]:
     """Microseconds of one frame's queries attending over each ring length of the model's layers
-    (under a mask with a masked-out slot and a biased one), SDPA beside matmul-softmax-matmul,
-    each compiled as in the frame graph: the medians of ``repeats`` calls each."""
+    on the CPU (under a mask with a masked-out slot and a biased one), SDPA beside
+    matmul-softmax-matmul, each compiled as in the frame graph: the medians of ``repeats`` calls."""
     from owl_wms.attention import matmul_attention
     from owl_wms.engine.frame_graph import sdpa_attention
 
-    options = {"cpp_wrapper": True} if str(device) == "cpu" else None
-    compiled = {name: torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    compiled = {name: torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
                 for name, fn in (("sdpa", sdpa_attention), ("matmul", matmul_attention))}
-
     g = torch.Generator().manual_seed(0)
     heads, tpf = cfg.n_heads, cfg.tokens_per_frame
     dh = cfg.d_model // heads
     slot_counts = sorted({min(window, cfg.decode_window(layer) or window) for layer in range(cfg.n_layers)})
-    sync, rows = synchronizer(device), []
+    rows = []
     for slots in slot_counts:
-        q, k, v = (torch.randn(1, heads, n, dh, generator=g).to(device, dtype) for n in (tpf, slots * tpf, slots * tpf))
-        mask = torch.zeros(1, slots * tpf, device=device)
+        q, k, v = (torch.randn(1, heads, n, dh, generator=g).to(dtype) for n in (tpf, slots * tpf, slots * tpf))
+        mask = torch.zeros(1, slots * tpf)
         mask[:, :tpf], mask[:, tpf:2 * tpf] = float("-inf"), -0.5
         times = {}
         for name, kernel in compiled.items():
             kernel(q, k, v, mask, dh ** -0.5)
             samples = []
             for _ in range(repeats):
-                sync()
                 t0 = time.perf_counter()
                 kernel(q, k, v, mask, dh ** -0.5)
-                sync()
                 samples.append(time.perf_counter() - t0)
             times[name] = 1e6 * statistics.median(samples)
         rows.append({"dtype": str(dtype).removeprefix("torch."), "keys": slots * tpf, "queries": tpf, "heads": heads,
@@ -293,8 +290,10 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
         x_orig = f"{r['x_original']:.2f}" if r["x_original"] else "-"
         print(f"{r['path']:<42} {r['dtype']:>8} {r['calls_ms']:>9.2f} {dec:>10} {fps:>6} {r['x_default']:>10.2f} "
               f"{x_orig:>11} {r['x_floor']:>8.1f} {100 * r['overhead_share']:>8.0f}%")
+    if args.device != "cpu":
+        return rows, []
     attention = [dict(a, model=label) for name in args.dtype
-                 for a in attention_times(cfg, window, DTYPES[name], args.device)]
+                 for a in attention_times(cfg, window, DTYPES[name])]
     print(f"attention of one frame's queries ({cfg.tokens_per_frame} tokens, {cfg.n_heads} heads) over a ring, "
           "compiled, median us:")
     print(f"{'dtype':>9} {'keys':>6} {'sdpa us':>9} {'matmul us':>10} {'sdpa / matmul':>14}")
