@@ -38,7 +38,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 def pipeline(storage: str, compile: bool, dtype=torch.float32, model=None, **settings) -> CausvidPipeline:
     cfg = tiny_config()
     kv = KVSettings(ring_mode="inplace", fmt_k=storage, fmt_v=storage)
-    pipe = CausvidPipeline(model or random_model(cfg), None, tiny_world(cfg, WINDOW),
+    pipe = CausvidPipeline(model if model is not None else random_model(cfg), None, tiny_world(cfg, WINDOW),
                            fp32_settings(compile=compile, kv=kv, **settings).replace(dtype=dtype), verbose=False)
     pipe.prefill(*history(cfg, seed=1))
     return pipe
