@@ -30,6 +30,7 @@ from owl_wms.controls import BUTTONS  # noqa: E402
 from owl_wms.engine import CausvidPipeline  # noqa: E402
 
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
+from .headless import pipeline_rate  # noqa: E402
 from .signals import StopOnSigint  # noqa: E402
 from .video import MIN_FREE, Mp4Writer, OutputPathError, check_output_path, flat_frame_warning  # noqa: E402
 
@@ -499,10 +500,9 @@ class Game:
                     actions_file.close()
                 pygame.quit()
         wall = time.perf_counter() - start
-        pipe_s = sum(self.pipe_ms_total) / 1000
         if self.frames_shown:
             print(f"played {self.frames_shown} frames in {wall:.1f} s: total {self.frames_shown / wall:.2f} FPS, "
-                  f"pipeline {self.frames_shown / pipe_s:.2f} FPS, overlay {'on' if self.overlay else 'off'}")
+                  f"{pipeline_rate([ms / 1000 for ms in self.pipe_ms_total])}, overlay {'on' if self.overlay else 'off'}")
         for path, written in self.recordings:
             print(f"recorded {written}" if written is not None else f"recorded nothing to {path} (no frame was shown)")
         if actions_file is not None:
