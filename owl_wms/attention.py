@@ -182,6 +182,11 @@ def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
     return _attend_sdpa(q, k, v, tpf, window, chunk, scale)
 
 
+def sdpa_attention(q, k, v, mask, scale: float):
+    """SDPA under the additive float ``mask`` [Tq or 1, Tk] (``matmul_attention``'s signature)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)
+
+
 def matmul_attention(q, k, v, mask, scale: float):
     """Attention as a matmul, a softmax in fp32 and a matmul, under the additive float ``mask``
     [Tq or 1, Tk]. Compiled, for a frame's queries over a ring on a CPU with native bf16, it ran

@@ -178,8 +178,7 @@ def attention_times(cfg, window: int, dtype, repeats: int = 50) -> list[dict]:
     """Microseconds of one frame's queries attending over each ring length of the model's layers
     on the CPU (under a mask with a masked-out slot and a biased one), SDPA beside
     matmul-softmax-matmul, each compiled as in the frame graph: the medians of ``repeats`` calls."""
-    from owl_wms.attention import matmul_attention
-    from owl_wms.engine.frame_graph import sdpa_attention
+    from owl_wms.attention import matmul_attention, sdpa_attention
 
     compiled = {name: torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
                 for name, fn in (("sdpa", sdpa_attention), ("matmul", matmul_attention))}

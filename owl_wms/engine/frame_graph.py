@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..attention import matmul_attention
+from ..attention import matmul_attention, sdpa_attention
 from ..cache import QuantizedStaticCache
 from ..quant import _ring_tensor, eager_division, scaled_decode
 
@@ -67,11 +67,6 @@ def frame_graph_blocker(settings, plans, tp) -> str | None:
             if codec != "bf16" and (policy.temporal or policy.percentile not in (None, 100)):
                 return f"{policy.describe()} scales depend on earlier frames or percentiles"
     return None
-
-
-def sdpa_attention(q, k, v, mask, scale: float):
-    """SDPA under the additive float ``mask`` (``matmul_attention``'s signature)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)
 
 
 class ConditioningPack:
