@@ -33,6 +33,37 @@ def sub(pattern, repl):
     return lambda text: re.sub(pattern, repl, text, flags=re.M)
 
 
+def vae_edit(edit):
+    """A copy of the tiny checkpoint whose VAE folder ``edit(folder)`` changed."""
+    def make(tmp):
+        folder = tiny_copy(tmp)
+        edit(folder / "vae")
+        return ["--checkpoint", str(folder)]
+    return make
+
+
+def truncate_half(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+class Payload:
+    """A pickle whose loading would create a file beside it (the test checks it never appears)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def pickled_only(vae):
+    import pickle
+
+    (vae / "diffusion_pytorch_model.safetensors").unlink()
+    (vae / "diffusion_pytorch_model.bin").write_bytes(pickle.dumps(Payload(vae / "PAYLOAD_RAN")))
+
+
 def nan_first(state):
     key = sorted(k for k, v in state.items() if v.is_floating_point())[0]
     state[key] = torch.full_like(state[key], float("nan"))
@@ -163,6 +194,24 @@ CASES = {
     "actions-folder": (lambda t: ["--actions", str(t)], {}, r"is neither a built-in script"),
     "env-threads-huge": ([], {"OWL_THREADS": "100000000"}, r"OWL_THREADS='100000000' is malformed; accepted values: an integer in \[0, 1024\]"),
     "clip-missing-file": (["--clip", "nowhere.safetensors"], {}, r"nowhere\.safetensors"),
+    # the autoencoder folder beside the checkpoint
+    "vae-config-not-json": (vae_edit(lambda v: (v / "config.json").write_text("{not json")), {},
+                            r"decoder\.path: '.*vae/config\.json' is not valid JSON .*; restore the file"),
+    "vae-config-not-object": (vae_edit(lambda v: (v / "config.json").write_text("[1, 2]")), {},
+                              r"config\.json' holds a JSON list, not an object"),
+    "vae-weights-truncated": (vae_edit(lambda v: truncate_half(v / "diffusion_pytorch_model.safetensors")), {},
+                              r"diffusion_pytorch_model\.safetensors' is truncated: its header describes \d+ bytes"),
+    "vae-weights-garbage": (vae_edit(lambda v: (v / "diffusion_pytorch_model.safetensors").write_bytes(b"\xff" * 64)),
+                            {}, r"diffusion_pytorch_model\.safetensors' is not a readable safetensors file"),
+    "vae-weights-pickled-only": (vae_edit(pickled_only), {},
+                                 r"'.*vae' holds only pickled weights \(diffusion_pytorch_model\.bin\), which are "
+                                 r"never loaded .*safe_serialization=True"),
+    "vae-class-not-autoencoder": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"class: AutoencoderTiny",
+                                                                                  "class: UNet2DModel")))], {},
+                                  r"config\.yaml: decoder\.class='UNet2DModel' is not a diffusers autoencoder"),
+    "vae-class-not-a-class": (lambda t: ["--checkpoint", str(tiny_copy(t, sub(r"class: AutoencoderTiny",
+                                                                              "class: logging")))], {},
+                              r"decoder\.class='logging' is not a diffusers autoencoder"),
 }
 
 

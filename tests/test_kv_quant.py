@@ -412,8 +412,10 @@ def test_quantized_layouts_agree_on_the_model(env):
     ref, _ = rollout(cfg, KVSettings(), 8)
     assert torch.equal(outs["pointer"], outs["roll"])  # the same window in the same order
     # inplace: the same window in ring order; float sums in another order can flip a rounding
-    # step of the quantizer in a later frame, so agreement is close, not bitwise.
-    assert (outs["inplace"] - outs["roll"]).abs().max() <= 2e-3
+    # step of the quantizer in a later frame, so agreement is close, not bitwise: within a share
+    # of one code step, which for int4 (7 steps a side) is 18x int8's (127).
+    step_share = 2e-3 * (18 if env.get("OWL_KV_STORAGE") == "int4" else 1)
+    assert (outs["inplace"] - outs["roll"]).abs().max() <= step_share
     assert 0 < (outs["roll"] - ref).abs().max() < 0.5 * ref.abs().max()  # quantization shows, but mildly
 
 
