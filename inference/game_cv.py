@@ -27,6 +27,7 @@ from owl_wms.parallel import ParallelContext, TPError, is_collective_error  # no
 from owl_wms.settings import Settings, SettingsError  # noqa: E402
 
 from .actions import BUILTIN  # noqa: E402
+from .cores import CoreBudget  # noqa: E402
 from .flags import flag_message, resolve_settings, with_threads  # noqa: E402
 from .headless import run_headless  # noqa: E402
 from .video import OutputPathError, OutputWriteError  # noqa: E402
@@ -92,12 +93,16 @@ def parse_args(argv=None):
     return args
 
 
-def run_settings(args) -> tuple[WorldConfig, Settings]:
-    """The checkpoint's config, read once, and the settings: its ``inference:`` section under the
-    OWL_* flags, then --seed."""
+def run_settings(args) -> tuple[WorldConfig, Settings, CoreBudget]:
+    """The checkpoint's config, read once, the settings (its ``inference:`` section under the
+    OWL_* flags, then --seed) and the thread budget: threads not chosen by hand follow the cores
+    other processes leave free (one process; TP ranks share the cores by count)."""
     world = load_world(args.checkpoint)
-    settings = with_threads(resolve_settings(world.inference), args.tp)
-    return world, settings.replace(seed=args.seed) if args.seed is not None else settings
+    chosen = resolve_settings(world.inference)
+    settings = with_threads(chosen, args.tp)
+    budget = CoreBudget(settings.threads, adaptive=chosen.threads == 0 and args.tp == 1
+                        and not os.environ.get("OMP_NUM_THREADS"))
+    return world, settings.replace(seed=args.seed) if args.seed is not None else settings, budget
 
 
 def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelContext | None = None) -> CausvidPipeline:
@@ -123,29 +128,29 @@ def launch_tp(args, settings: Settings) -> ParallelContext | None:
     return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every)
 
 
-def run_play(args, world: WorldConfig, settings: Settings) -> int:
+def run_play(args, world: WorldConfig, settings: Settings, budget: CoreBudget | None = None) -> int:
     from .play import Game, PlayOptions, no_display_message  # pygame loads only for the window
 
     if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER")):
         print(no_display_message(), file=sys.stderr)
         return 2
     options = PlayOptions.from_args(args)  # output paths are checked here, before the model loads
-    return Game(lambda: build_pipeline(args, world, settings), options).run()
+    return Game(lambda: build_pipeline(args, world, settings), options, budget=budget).run()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     tp = None
     try:
-        world, settings = run_settings(args)  # once: the config is read and the threads set here
+        world, settings, budget = run_settings(args)  # once: the config is read and the threads set here
         tp = launch_tp(args, settings)
         if tp is not None and not args.headless:
             raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
         if args.beside_simulator and not args.headless:
             raise ValueError("--beside-simulator renders to the video only; add --headless")
         if not args.headless:
-            return run_play(args, world, settings)
-        return run_headless(args, lambda args, tp: build_pipeline(args, world, settings, tp), tp)
+            return run_play(args, world, settings, budget)
+        return run_headless(args, lambda args, tp: build_pipeline(args, world, settings, tp), tp, budget)
     except USER_ERRORS as exc:
         if tp is not None:
             tp.fail(exc, flag_message(exc))

@@ -10,6 +10,7 @@ from owl_wms.engine import CausvidPipeline
 from owl_wms.parallel import ParallelContext
 
 from .actions import apply_event, is_event, load_actions
+from .cores import CoreBudget
 from .signals import StopOnSigint, end_startup
 from .video import Mp4Writer, check_output_path, flat_frame_warning, mp4_bytes, require_space, write_atomically
 
@@ -104,9 +105,10 @@ def pipeline_rate(seconds: list[float]) -> str:
     return text
 
 
-def run_headless(args, build, tp: ParallelContext | None = None) -> int:
+def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBudget | None = None) -> int:
     """Render ``args.actions`` to ``args.out`` with the pipeline ``build(args, tp)`` makes; returns
-    the exit code (130 when interrupted). The video of the frames so far is always finalised."""
+    the exit code (130 when interrupted). The video of the frames so far is always finalised.
+    ``budget``: torch's threads, re-checked between frames."""
     from tqdm import tqdm
 
     if tp is not None and not tp.is_leader:  # a follower: rank 0 owns input, decoding and output
@@ -143,6 +145,8 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
                     if beside is not None:
                         beside.handle(item)
                     continue
+                if budget is not None:
+                    budget.check()
                 frame, secs = pipe(*item)
                 frame_seconds.append(secs)
                 if writer.frames == 0 and (warning := flat_frame_warning(frame)):
@@ -170,6 +174,8 @@ def run_headless(args, build, tp: ParallelContext | None = None) -> int:
         total = time.perf_counter() - start
         stopped = " - interrupted" if interrupted else " - stopped by an error" if error else ""
         print(f"wrote {path} ({n} frames){stopped}; {pipeline_rate(frame_seconds)}, total {n / total:.2f} FPS")
+        if budget is not None and budget.describe():
+            print(f"[owl] {budget.describe()}")
     elif interrupted or error:
         print("stopped before the first frame; no video written" if n == 0 else "no video written")
     if error is not None:

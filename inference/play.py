@@ -132,8 +132,9 @@ class FrameResult:
 class Worker(threading.Thread):
     """Generates frames and applies commands between frames, emitting both in order."""
 
-    def __init__(self, source, controls: Controls, replay: list | None = None, max_frames: int | None = None):
-        """``source``: a pipeline, or a function that builds one. Building it here, on the
+    def __init__(self, source, controls: Controls, replay: list | None = None, max_frames: int | None = None,
+                 budget=None):
+        """``budget``: a ``CoreBudget`` re-checked before each frame, on this thread (its threads). ``source``: a pipeline, or a function that builds one. Building it here, on the
         thread that generates, matters on CPU: torch's OpenMP pool belongs to the thread that
         first ran ops, and generating from another thread measured ~2x slower."""
         super().__init__(daemon=True, name="owl-generate")
@@ -149,6 +150,7 @@ class Worker(threading.Thread):
         self._halt = threading.Event()
         self.error: BaseException | None = None
         self.frames = 0
+        self.budget = budget
 
     def stop(self):
         self._halt.set()
@@ -197,6 +199,8 @@ class Worker(threading.Thread):
                 if controls is None:
                     self.finished = True
                     continue
+                if self.budget is not None:
+                    self.budget.check()
                 t0 = time.perf_counter()
                 latent = self.pipe.generate(*controls)
                 t1 = time.perf_counter()
@@ -247,9 +251,10 @@ class PlayOptions:
 
 
 class Game:
-    def __init__(self, source, options: PlayOptions | None = None):
-        """``source``: a ``CausvidPipeline`` or a function building one on the worker thread."""
-        self.source, self.opt = source, options or PlayOptions()
+    def __init__(self, source, options: PlayOptions | None = None, budget=None):
+        """``source``: a ``CausvidPipeline`` or a function building one on the worker thread;
+        ``budget``: the worker's ``CoreBudget`` (None: threads stay as set)."""
+        self.source, self.opt, self.budget = source, options or PlayOptions(), budget
         self.pipe: CausvidPipeline | None = None
         self.controls = Controls(*parse_bindings(None))
         self.overlay = self.opt.overlay
@@ -385,7 +390,9 @@ class Game:
             f"draw {mean(self.draw_ms):4.1f} ms",
             f"kv {self.pipe.settings.kv_cache} {self.pipe.kv_bytes / 2**20:.1f} MiB  frame {r.index if r else 0}  "
             f"epoch {r.epoch if r else 0}  bias {self.pipe.kv_cache_attention_bias:g}  {state}",
-            f"mouse {r.mouse if r else [0, 0]} sens {self.controls.sensitivity:g}",
+            f"mouse {r.mouse if r else [0, 0]} sens {self.controls.sensitivity:g}"
+            + (f"  threads {self.budget.threads}/{self.budget.cores} (busy machine)"
+               if self.budget is not None and self.budget.limited else ""),
             "held " + (" ".join(held) or "-"),
         ]
 
@@ -446,7 +453,7 @@ class Game:
                                      else float(cfg.get("sensitivity", 1.0)))
 
     def run(self) -> int:
-        self.worker = Worker(self.source, self.controls, self.opt.replay, self.opt.max_frames)
+        self.worker = Worker(self.source, self.controls, self.opt.replay, self.opt.max_frames, self.budget)
         self.worker.paused = True  # nothing is generated before the window and outputs exist
         self._wait_for_pipeline()
         if not self.open_window():

@@ -108,3 +108,34 @@ def test_omp_num_threads_is_respected_when_owl_threads_is_unset(monkeypatch):
         assert with_threads(resolve_settings({}, environ={}), ranks=1).threads == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_threads_follow_the_cores_other_processes_leave_free():
+    """CoreBudget gives torch the cores other processes leave free, at least one, re-checked once
+    an interval has passed; threads chosen by hand never change."""
+    from inference.cores import TICKS, CoreBudget
+
+    clock, ticks = [0.0], [0, 0]  # (system busy, own) ticks
+
+    def advance(seconds, others, own):
+        clock[0] += seconds
+        ticks[0] += int((others + own) * TICKS * seconds)
+        ticks[1] += int(own * TICKS * seconds)
+
+    before = torch.get_num_threads()
+    try:
+        budget = CoreBudget(2, probe=lambda: tuple(ticks), clock=lambda: clock[0])
+        advance(1.0, others=0.05, own=2.0)
+        assert budget.check() == 2 and not budget.limited and budget.describe() == ""
+        advance(0.5, others=2.0, own=0.5)
+        assert budget.check() == 2  # within the interval: not re-measured
+        advance(0.6, others=1.9, own=0.1)
+        assert budget.check() == 1 and budget.limited and torch.get_num_threads() == 1
+        assert "torch ran on 1 thread(s)" in budget.describe() and "busy machine" in budget.describe()
+        advance(1.0, others=0.1, own=1.0)
+        assert budget.check() == 2 and torch.get_num_threads() == 2 and not budget.limited
+        fixed = CoreBudget(2, adaptive=False, probe=lambda: tuple(ticks), clock=lambda: clock[0])
+        advance(2.0, others=2.0, own=0.0)
+        assert fixed.check() == 2 and not fixed.limited
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,87 @@
+"""Torch's CPU threads follow the cores other processes leave free.
+
+OpenMP threads spin while they wait for work. On a machine whose cores another busy process
+also uses, a thread per core spins against the neighbour, and each of a frame's thousands of
+small parallel regions waits for a thread the OS has descheduled: on 2 cores the shipped world
+fell from 21 FPS alone to under 1 FPS beside one busy torch process, and ran at 22 FPS there on
+one thread. OpenMP's passive wait policy avoids the collapse but halves the rate on free cores.
+So, when the thread count is not set by hand, ``CoreBudget`` measures (from ``/proc/stat``) how
+much CPU time other processes took since the last look, and gives torch the cores left, at
+least one, re-checked about once a second from the thread that runs the model.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def system_busy_ticks() -> int | None:
+    """CPU ticks spent busy by all processes since boot (None where /proc is absent)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return user + nice + system + irq + softirq + steal
+
+
+def own_ticks() -> int | None:
+    """CPU ticks this process spent (all its threads)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+class CoreBudget:
+    """``cores``: what torch may use when the machine is free; ``adaptive`` False keeps it fixed
+    (threads chosen by hand). ``check()`` between frames; ``limited`` says whether the last
+    check gave torch fewer threads than ``cores``."""
+
+    def __init__(self, cores: int, adaptive: bool = True, interval_s: float = 1.0, probe=None, clock=time.monotonic):
+        self.cores, self.interval_s, self.clock = max(1, cores), interval_s, clock
+        self.probe = probe or (lambda: (system_busy_ticks(), own_ticks()))
+        self.adaptive = adaptive and self.probe()[0] is not None
+        self.threads = self.cores
+        self.others = 0.0  # cores' worth of CPU time other processes took over the last interval
+        self.checks = self.limited_checks = 0
+        self._last = (self.clock(), *self.probe())
+
+    @property
+    def limited(self) -> bool:
+        return self.threads < self.cores
+
+    def check(self) -> int:
+        """Re-measure if an interval has passed and set torch's thread count; returns it."""
+        if not self.adaptive:
+            return self.threads
+        now = self.clock()
+        if now - self._last[0] < self.interval_s:
+            return self.threads
+        busy, own = self.probe()
+        wall = now - self._last[0]
+        self.others = max(0.0, ((busy - self._last[1]) - (own - self._last[2])) / TICKS / wall)
+        self._last = (now, busy, own)
+        # a core counts as free when others use under 70% of it: idle noise keeps every core
+        threads = max(1, min(self.cores, int(self.cores - self.others + 0.3)))
+        if threads != self.threads:
+            import torch
+
+            torch.set_num_threads(threads)
+            self.threads = threads
+        self.checks += 1
+        self.limited_checks += self.limited
+        return threads
+
+    def describe(self) -> str:
+        """A note for the console, or "" while the machine has been free."""
+        if not self.limited_checks:
+            return ""
+        return (f"other processes were busy on this machine's {self.cores} cores: torch ran on {self.threads} "
+                f"thread(s) at the last check, fewer than {self.cores} in {self.limited_checks} of {self.checks} "
+                "checks (frame rates are limited by the busy machine)")
