@@ -10,6 +10,7 @@ pipeline events between frames, replayed in order: ``{"event": "restart"}``,
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +129,10 @@ def write_action_file(path: str | Path, items: list):
     Path(path).write_text("".join(action_line(x) for x in items))
 
 
+# each session's last snapshot event (the app's, not the pipeline's: a session forgets it with itself)
+BOOKMARKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def apply_event(pipe, event: dict):
     """Carry out a recorded pipeline event (between frames)."""
     name = event["event"]
@@ -140,15 +145,13 @@ def apply_event(pipe, event: dict):
     elif name == "bias":
         pipe.kv_cache_attention_bias = float(event["value"])
     elif name == "snapshot":
-        pipe.bookmark = pipe.get_state()
+        BOOKMARKS[pipe] = pipe.get_state()
     elif name == "restore":
-        if getattr(pipe, "bookmark", None) is None:
+        if pipe not in BOOKMARKS:
             raise ValueError("restore event before any snapshot event")
-        pipe.load_state(pipe.bookmark)
+        pipe.load_state(BOOKMARKS[pipe])
     elif name == "ground_truth":
-        pipe.replay.on = bool(event["on"])
-        if pipe.replay.on:
-            pipe.replay.step = 0  # replay the clip's recorded actions from their start
+        pipe.ground_truth = bool(event["on"])
 
 
 def load_actions(spec: str, frames: int | None, seed: int = 0) -> list:

@@ -6,7 +6,7 @@ small parallel regions waits for a thread the OS has descheduled: on 2 cores the
 fell from 21 FPS alone to under 1 FPS beside one busy torch process, and ran at 22 FPS there on
 one thread. OpenMP's passive wait policy avoids the collapse but halves the rate on free cores.
 So, when the thread count is not set by hand, ``CoreBudget`` measures (from ``/proc/stat``) how
-much CPU time other processes took since the last look, and gives torch the cores left, at
+much CPU time other processes (not this one's own workers) took since the last look, and gives torch the cores left, at
 least one, re-checked about once a second from the thread that runs the model.
 """
 from __future__ import annotations
@@ -29,13 +29,29 @@ def system_busy_ticks() -> int | None:
 
 
 def own_ticks() -> int | None:
-    """CPU ticks this process spent (all its threads)."""
+    """CPU ticks this process and its descendants spent (all threads; compile workers included):
+    utime + stime + the reaped children's cutime + cstime of each process in the tree."""
+    me = os.getpid()
     try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        stats = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue  # exited meanwhile
+                stats[int(entry.name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))  # ppid, ticks
+    except OSError:
         return None
-    return int(fields[11]) + int(fields[12])  # utime, stime
+    tree, frontier = {me}, [me]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _) in stats.items():
+            if ppid == parent and pid not in tree:
+                tree.add(pid)
+                frontier.append(pid)
+    return sum(stats[pid][1] for pid in tree if pid in stats)
 
 
 class CoreBudget:

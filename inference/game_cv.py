@@ -29,7 +29,7 @@ from owl_wms.settings import Settings, SettingsError  # noqa: E402
 from .actions import BUILTIN  # noqa: E402
 from .cores import CoreBudget  # noqa: E402
 from .flags import flag_message, resolve_settings, with_threads  # noqa: E402
-from .headless import run_headless  # noqa: E402
+from .headless import run_headless, run_sessions  # noqa: E402
 from .video import OutputPathError, OutputWriteError  # noqa: E402
 
 MAX_FRAMES = 100_000  # about 2 hours at 15 FPS; the action list is built up front
@@ -67,6 +67,9 @@ def parse_args(argv=None):
                    help="--headless: also save a contact sheet PNG of every --sheet-every-th frame, 16 to a row "
                         "(with --beside-simulator the simulator's row above the model's)")
     p.add_argument("--sheet-every", type=int, default=2, help="frame step of --sheet")
+    p.add_argument("--sessions", type=int, default=1,
+                   help="--headless: render N rollouts in one batched run (session i uses seed + i; --actions a,b,... "
+                        "one script each); outputs are numbered: run.mp4 -> run_0.mp4 ...")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel ranks (heads and MLP split across processes; launch with torchrun "
                         "--nproc-per-node N)")
@@ -82,7 +85,7 @@ def parse_args(argv=None):
     play.add_argument("--max-frames", type=int, default=None, help="quit after this many frames (automation)")
     args = p.parse_args(argv)
     for flag, value, lo, hi in (("--frames", args.frames, 1, MAX_FRAMES), ("--scale", args.scale, 1, 16),
-                                ("--tp", args.tp, 1, 64), ("--sheet-every", args.sheet_every, 1, 10_000),
+                                ("--tp", args.tp, 1, 64), ("--sessions", args.sessions, 1, 64), ("--sheet-every", args.sheet_every, 1, 10_000),
                                 ("--max-frames", args.max_frames, 1, None), ("--world-seed", args.world_seed, 0, 2**31 - 1),
                                 ("--seed", args.seed, 0, 2**63 - 1)):
         if value is not None and not (lo <= value and (hi is None or value <= hi)):
@@ -105,7 +108,28 @@ def run_settings(args) -> tuple[WorldConfig, Settings, CoreBudget]:
     return world, settings.replace(seed=args.seed) if args.seed is not None else settings, budget
 
 
-def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelContext | None = None) -> CausvidPipeline:
+# OWL_COMPILE=auto compiles where it pays: the window and long rollouts. On a 2-core CPU the compile
+# takes 10-40 s (with or without a warm compile cache), during which eager frames slow down, and then
+# saves about half of each frame: a short rollout finishes sooner eagerly (docs/results.md).
+COMPILE_PAYS_FRAMES = 2000
+
+
+def compile_pays(args) -> bool:
+    if args.headless:
+        return args.frames is not None and args.frames * max(1, args.sessions) >= COMPILE_PAYS_FRAMES
+    return args.max_frames is None or args.max_frames >= COMPILE_PAYS_FRAMES
+
+
+def compile_in_background(runner, settings: Settings, budget: CoreBudget | None, rows=(1,), log=print):
+    """OWL_COMPILE=auto: the frame call compiles on a thread of its own while frames run eagerly,
+    for each thread count the budget may switch between (a graph is built per count)."""
+    if settings.compile_background:
+        adaptive = budget is not None and budget.adaptive and budget.cores > 1
+        runner.compile_in_background(rows, threads=(1,) if adaptive else (), log=log)
+
+
+def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelContext | None = None,
+                   budget: CoreBudget | None = None) -> CausvidPipeline:
     """The pipeline with its first history; TP ranks other than 0 get theirs from rank 0."""
     if tp is None or tp.is_leader:  # start-up takes seconds: say so at once
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
@@ -119,7 +143,31 @@ def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelCon
         load_level(pipe, args.world_seed)
     elif clip is None:
         pipe.load_clip(load_clip(args.clip, pipe.cfg.channels, pipe.cfg.sample_size))
+    if compile_pays(args):
+        compile_in_background(pipe.runner, settings, budget, log=lambda text: pipe.log(text))
     return pipe
+
+
+def build_sessions(args, world: WorldConfig, settings: Settings, budget: CoreBudget | None = None):
+    """``args.sessions`` sessions of one model, session i from the same start with seed + i."""
+    from owl_wms.engine.sessions import Sessions, batch_rows
+
+    print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) for "
+          f"{args.sessions} sessions ...", flush=True)
+    sessions = Sessions.from_checkpoint(world, args.ckpt, settings=settings, capacity=args.sessions, weights=args.weights)
+    clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
+    pipes = []
+    for i in range(args.sessions):
+        pipe = sessions.open(seed=settings.seed + i, clip=clip, ground_truth=args.ground_truth)
+        if args.world_seed is not None:
+            load_level(pipe, args.world_seed)
+        elif clip is None:
+            pipe.load_clip(load_clip(args.clip, pipe.cfg.channels, pipe.cfg.sample_size))
+        pipes.append(pipe)
+    rows = sorted({batch_rows(n) for n in range(1, args.sessions + 1)})
+    if compile_pays(args):
+        compile_in_background(sessions.runner, settings, budget, rows, log=lambda text: pipes[0].log(text))
+    return sessions, pipes
 
 
 def launch_tp(args, settings: Settings) -> ParallelContext | None:
@@ -135,14 +183,23 @@ def run_play(args, world: WorldConfig, settings: Settings, budget: CoreBudget | 
         print(no_display_message(), file=sys.stderr)
         return 2
     options = PlayOptions.from_args(args)  # output paths are checked here, before the model loads
-    return Game(lambda: build_pipeline(args, world, settings), options, budget=budget).run()
+    return Game(lambda: build_pipeline(args, world, settings, budget=budget), options, budget=budget).run()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # compiled graphs persist between starts (a second start reuses them)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "owl-wms", "inductor"))
     tp = None
     try:
         world, settings, budget = run_settings(args)  # once: the config is read and the threads set here
+        if args.sessions > 1:
+            for flag, clash in (("--headless", not args.headless), ("--tp", args.tp > 1),
+                                ("--beside-simulator", args.beside_simulator)):
+                if clash:
+                    raise ValueError(f"--sessions {args.sessions} renders headless rollouts of one process without "
+                                     f"the simulator; " + ("add --headless" if flag == "--headless" else f"drop {flag}"))
+            return run_sessions(args, lambda args: build_sessions(args, world, settings, budget), budget)
         tp = launch_tp(args, settings)
         if tp is not None and not args.headless:
             raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
@@ -150,7 +207,7 @@ def main(argv=None) -> int:
             raise ValueError("--beside-simulator renders to the video only; add --headless")
         if not args.headless:
             return run_play(args, world, settings, budget)
-        return run_headless(args, lambda args, tp: build_pipeline(args, world, settings, tp), tp, budget)
+        return run_headless(args, lambda args, tp: build_pipeline(args, world, settings, tp, budget), tp, budget)
     except USER_ERRORS as exc:
         if tp is not None:
             tp.fail(exc, flag_message(exc))
@@ -169,5 +226,17 @@ def main(argv=None) -> int:
             tp.shutdown()
 
 
+def exit_now(code: int):
+    """Exit with ``code``; a compile still running on its thread (outputs are all closed by now)
+    is abandoned rather than unwound, which would abort the process."""
+    import threading
+
+    if any(t.name == "owl-compile" and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -181,3 +181,107 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
     if error is not None:
         raise error
     return 130 if interrupted else 0
+
+
+def numbered(path: str | None, i: int) -> str | None:
+    """``run.mp4`` -> ``run_3.mp4``: session i's output of a batched run."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}_{i}{p.suffix}"))
+
+
+def session_actions(args, n: int) -> list[list]:
+    """Each session's items: ``--actions a,b,...`` gives one script per session, one script is shared."""
+    specs = args.actions.split(",")
+    if len(specs) not in (1, n):
+        raise ValueError(f"--actions gives {len(specs)} scripts for --sessions {n}; give one script for all "
+                         f"or one per session, comma-separated")
+    return [load_actions(specs[i % len(specs)], args.frames, seed=(args.seed or 0) + i) for i in range(n)]
+
+
+def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
+    """Render ``args.sessions`` rollouts in one batched run (``build(args)`` -> (Sessions, [session
+    pipelines])): session i writes ``--out`` numbered i (and its --save-frames / --sheet). Each
+    step makes the next frame of every session that still has one, one model call a denoising
+    step. Every video of the frames so far is finalised on Ctrl-C or an error."""
+    from tqdm import tqdm
+
+    n = args.sessions
+    scripts = session_actions(args, n)
+    frames_paths = [check_output_path(numbered(args.save_frames, i), suffix=".npy", flag="--save-frames")
+                    for i in range(n)] if args.save_frames else None
+    sheet_paths = [check_output_path(numbered(args.sheet, i), suffix=".png", flag="--sheet")
+                   for i in range(n)] if args.sheet else None
+    writers = [Mp4Writer(numbered(args.out, i), fps=args.fps, scale=args.scale) for i in range(n)]
+    interrupted, error, bar, shown = False, None, None, [[] for _ in range(n)]
+    step_seconds, start = [], time.perf_counter()
+    try:
+        sessions, pipes = build(args)
+        total = sum(sum(not is_event(x) for x in items) for items in scripts)
+        require_space([est for i, items in enumerate(scripts) for est in output_estimates(
+            argparse_like(args, i), pipes[i].frame_shape, sum(not is_event(x) for x in items), False)])
+        queues = [iter(items) for items in scripts]
+        with StopOnSigint() as stop:
+            start = time.perf_counter()
+            bar = tqdm(total=total, desc=f"rollouts x{n}", unit="frame")
+            while not stop.requested:
+                controls = {}
+                for pipe, queue in zip(pipes, queues):
+                    for item in queue:
+                        if not is_event(item):
+                            controls[pipe] = item
+                            break
+                        apply_event(pipe, item)
+                if not controls:
+                    break
+                if budget is not None:
+                    budget.check()
+                t0 = time.perf_counter()
+                latents = sessions.step(controls)
+                order = [p for p in pipes if p in latents]
+                frames = sessions.decode([latents[p] for p in order])
+                step_seconds.append(time.perf_counter() - t0)
+                for pipe, frame in zip(order, frames):
+                    i = pipes.index(pipe)
+                    writers[i].write(frame.numpy())
+                    if frames_paths is not None or sheet_paths is not None:
+                        shown[i].append((frame.numpy(),))
+                bar.update(len(order))
+            interrupted = stop.requested
+    except KeyboardInterrupt:
+        interrupted = True
+    except Exception as exc:  # every video of the frames so far is still finalised and reported
+        error = exc
+    finally:
+        if bar is not None:
+            bar.close()
+        paths = [w.close() for w in writers]
+        for i in range(n):
+            if frames_paths is not None and shown[i]:
+                save_frames(frames_paths[i], [views[-1] for views in shown[i]])
+            if sheet_paths is not None and shown[i]:
+                save_sheet(sheet_paths[i], shown[i], args.sheet_every)
+    made = sum(w.frames for w in writers)
+    if any(p is not None for p in paths):
+        elapsed = time.perf_counter() - start
+        stopped = " - interrupted" if interrupted else " - stopped by an error" if error else ""
+        print(f"wrote {', '.join(str(p) for p in paths if p is not None)} ({made} frames in {len(step_seconds)} "
+              f"batched steps){stopped}; {made / max(sum(step_seconds), 1e-9):.2f} session-frames/s in the steps, "
+              f"total {made / elapsed:.2f} FPS")
+        if budget is not None and budget.describe():
+            print(f"[owl] {budget.describe()}")
+    elif interrupted or error:
+        print("stopped before the first frame; no video written")
+    if error is not None:
+        raise error
+    return 130 if interrupted else 0
+
+
+def argparse_like(args, i: int):
+    """``args`` with session i's output paths (what output_estimates reads)."""
+    import copy
+
+    one = copy.copy(args)
+    one.out, one.save_frames, one.sheet = numbered(args.out, i), numbered(args.save_frames, i), numbered(args.sheet, i)
+    return one

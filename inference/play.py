@@ -307,7 +307,7 @@ class Game:
         elif name == "step":
             w.step_once()
         elif name == "ground_truth":
-            w.commands.put({"event": "ground_truth", "on": not self.pipe.replay.on})
+            w.commands.put({"event": "ground_truth", "on": not self.pipe.ground_truth})
         elif name in ("restart", "snapshot", "restore"):
             w.commands.put({"event": name})
         elif name in ("bias_down", "bias_up"):
@@ -383,7 +383,7 @@ class Game:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
         r = self.last
         held = [b for b, on in zip(BUTTONS, self.controls.held()) if on]
-        state = "PAUSED" if self.worker.paused else ("GT replay" if self.pipe.replay.on else "live")
+        state = "PAUSED" if self.worker.paused else ("GT replay" if self.pipe.ground_truth else "live")
         return [
             f"FPS {self.clock.get_fps():5.1f}  pipeline {1000 / mean(self.pipe_ms) if self.pipe_ms else 0:5.1f}",
             f"denoise {r.denoise_ms if r else 0:5.1f} ms  decode {r.decode_ms if r else 0:4.1f} ms  "

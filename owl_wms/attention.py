@@ -23,6 +23,9 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from .rope import apply_rope
 
 BACKENDS = ("sdpa", "flex")
+# Named off the traced line: with kernel profiling (scripts.bench_frame) Inductor's C++ wrapper
+# quotes each traced source line in a C++ raw string, which a ')"' in the line would end.
+MERGE_HEADS = "b h t d -> b t (h d)"
 
 # SDPA attends multi-frame queries (training clips, prefill) in chunks of about this many
 # query tokens, each against only the key frames it can see; 0 makes one masked call (the
@@ -155,6 +158,8 @@ def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
     ``history_bias_mask`` (soft forgetting; it encodes the whole rule, in any key order).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
+    if backend == "ring":  # a frame over a ring read in place: its mask [b, 1, 1, Tk] holds the whole rule
+        return sdpa_attention(q, k, v, mask, scale)
     if mask is not None and mask.dtype != torch.bool:
         if backend == "flex":
             def biased(score, b, h, q_idx, kv_idx):
@@ -189,11 +194,10 @@ def sdpa_attention(q, k, v, mask, scale: float):
 
 def matmul_attention(q, k, v, mask, scale: float):
     """Attention as a matmul, a softmax in fp32 and a matmul, under the additive float ``mask``
-    [Tq or 1, Tk]. Compiled, for a frame's queries over a ring on a CPU with native bf16, it ran
-    1.5-2.5x as fast as SDPA's flash kernel in bf16, and as fast in fp32 (``python -m
-    scripts.bench_frame``, its attention table; docs/frame_graph.md). The logits are rounded to
-    bf16 by the first matmul (SDPA keeps them in fp32): tests/test_frame_graph.py bounds what
-    that costs against an fp32 reference."""
+    [Tq or 1, Tk]: the alternative to SDPA for a frame's queries over a ring that
+    ``scripts.bench_frame`` times beside it (its attention table). On an AMD EPYC with
+    AVX512-BF16 it ran 1.5-2.5x as fast as SDPA compiled in bf16; on the Intel Xeon of
+    docs/results.md SDPA ran 1.3-1.4x as fast, so the ring path takes SDPA everywhere."""
     logits = torch.matmul(q, k.transpose(-1, -2)).float() * scale + mask
     return torch.matmul(logits.softmax(-1).to(v.dtype), v)
 
@@ -264,4 +268,4 @@ class Attention(nn.Module):
 
     def attend_out(self, q, k, v, window: Window, backend: str, mask=None):
         y = attend(q, k, v, self.tpf, window, backend, mask)
-        return self.out(rearrange(y, "b h t d -> b t (h d)"))
+        return self.out(rearrange(y, MERGE_HEADS))

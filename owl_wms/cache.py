@@ -22,6 +22,7 @@ from .settings import KVSettings, SettingsError
 class CacheUpdates:
     """The write switch attention reads (``should_update``): on for prefill and the last step."""
     should_update = False
+    on_device = False  # positions, counters and masks are host values (ring.RingCache: tensors)
 
     def enable_cache_updates(self):
         self.should_update = True
@@ -505,18 +506,6 @@ class QuantizedStaticCache(CacheUpdates):
             Layout._put(store, name, None if items is None else items[name], slot, store.written)
         if store.length == store.capacity:
             store.length -= 1  # the oldest frame's slot now holds this call's frame
-
-    def ring_frame_written(self, layer: int, commit: bool, tallies) -> None:
-        """The bookkeeping of one frame that compiled code (the frame graph) wrote into ``layer``'s
-        in-place ring and then read whole, as the eager ring keeps its own: ``tallies`` are K's
-        and V's advanced saturation counts (None for an unquantized tensor)."""
-        self.ring_written(layer, commit)
-        if commit:
-            c = self.config
-            for q, tally in zip(self.quant[layer], tallies):
-                if q.quantized:
-                    q.committed(self.batch_size * c.n_heads * self.tpf * c.head_dim, tally)
-        self._last_read[layer] = not commit
 
     def _fused_ring_step(self, layer, store, k, v, work) -> bool:
         """With compile on: encode, write and decode K and V of one frame in one compiled call

@@ -153,12 +153,6 @@ class DiTBlock(nn.Module):
                               cfg.decode_window(layer))
         self.mlp = MLP(d, 4 * d, d)
 
-    def conditioning_linears(self) -> tuple[nn.Linear, ...]:
-        """The linears that make what the block's AdaLNs and gates take from the conditioning
-        ``cond``, each applied to silu(cond): adaln1, gate1, adaln2 and gate2 (a frame graph
-        makes these once a frame, as one matmul)."""
-        return self.adaln1.fc, self.gate1.fc_c, self.adaln2.fc, self.gate2.fc_c
-
     # The block is split around the cache: the two halves are pure tensor code (what
     # torch.compile sees), the cache read/write between them stays eager.
     def pre_attention(self, x, cond, cos, sin):
@@ -177,6 +171,13 @@ class DiTBlock(nn.Module):
             # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
             q = self._pre_q(x, cond, *rope)
             k, v, mask = kv_cache.attend_window(self.attn.layer)
+        elif kv_cache is not None and kv_cache.on_device:
+            # The ring's mask carries the bias of each row (a tensor: no host value in the call).
+            q, k, v = self._pre(x, cond, *rope)
+            k, v, mask = kv_cache.attend_window(self.attn.layer, k, v, bias if torch.is_tensor(bias) else None)
+            if mask is not None:
+                return self._post(x, cond, q, k, v, mask, None, "ring")
+            bias = 0.0 if torch.is_tensor(bias) else bias
         else:
             q, k, v = self._pre(x, cond, *rope)
             k, v, mask = self.attn.with_cache(k, v, kv_cache)
@@ -228,6 +229,12 @@ class Transformer(nn.Module):
 
     def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float | tuple = 0.0,
                 decode_from: int | None = None):
+        if kv_cache is not None and kv_cache.on_device and cond.shape[1] == 1:
+            # A frame over the ring: its mask holds the whole rule (the switch is not read, so a
+            # compiled frame call does not depend on it).
+            for block in self.blocks:
+                x = block(x, cond, rope, kv_cache, "ring", window_cap, bias)
+            return x
         backend = self.decode_backend if self.decoding else self.backend
         if decode_from is None and self.decoding and kv_cache is not None:
             decode_from = 0  # a cache-free call keeps the frame mask unless told otherwise
@@ -265,11 +272,6 @@ class GameRFTCore(nn.Module):
         self.proj_out = FinalLayer(d, config.channels)
         self.rope = make_rope(config)
 
-    def conditioning_linears(self) -> list[nn.Linear]:
-        """Every linear applied to silu(cond): each block's (``DiTBlock.conditioning_linears``),
-        then the output layer's AdaLN."""
-        return [m for block in self.transformer.blocks for m in block.conditioning_linears()] + [self.proj_out.norm.fc]
-
     def check_inputs(self, x, t, mouse, button):
         c, s = self.config.channels, self.config.sample_size
         if x.ndim != 5 or tuple(x.shape[2:]) != (c, s, s):
@@ -299,9 +301,14 @@ class GameRFTCore(nn.Module):
         if mouse is not None and button is not None and not self.config.uncond:
             cond = cond + self.control_embed(mouse, button)
         tokens = self.proj_in(rearrange(x, "b n c h w -> b (n h w) c").to(self.proj_in.weight.dtype))
-        offset = kv_cache.get_offset(0) if kv_cache is not None else frame_offset * self.config.tokens_per_frame
-        rope = self.rope.cos_sin(offset, tokens.shape[1], x.device)
+        if kv_cache is not None and kv_cache.on_device:  # positions are tensors on the device
+            rope = self.rope.frame_cos_sin(kv_cache.next_frame(), n)
+        else:
+            offset = kv_cache.get_offset(0) if kv_cache is not None else frame_offset * self.config.tokens_per_frame
+            rope = self.rope.cos_sin(offset, tokens.shape[1], x.device)
         tokens = self.transformer(tokens, cond, rope, kv_cache, window_cap, attn_bias, decode_from)
+        if kv_cache is not None and kv_cache.on_device:
+            kv_cache.advance(n)
         out = self.proj_out(tokens, cond)
         return rearrange(out, "b (n h w) c -> b n c h w", n=n, h=h, w=w)
 

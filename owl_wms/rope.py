@@ -47,6 +47,24 @@ class RoPE(torch.nn.Module):
         a = self.angles(token_offset, n_tokens)
         return a.cos().float().to(device), a.sin().float().to(device)
 
+    def frame_cos_sin(self, first_frame: torch.Tensor, n_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [b, 1, n_frames * tpf, dh/2] of frames first_frame[b] + 0..n-1, made on the
+        first_frame's device from the frame indices (no host value): angles are affine in the frame
+        index (angle = frame x per-frame step + angle in frame 0), computed in float64 so large
+        positions keep their precision."""
+        base, step = self._affine(first_frame.device)
+        frames = (first_frame[:, None] + torch.arange(n_frames, device=first_frame.device)).to(torch.float64)
+        a = (frames[:, :, None, None] * step + base).flatten(1, 2)[:, None]
+        return a.cos().float(), a.sin().float()
+
+    def _affine(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self.__dict__.setdefault("_affine_by_device", {})
+        key = str(device)
+        if key not in cached:
+            base = self.angles(0, self.tpf)
+            cached[key] = (base.to(device), (self.angles(self.tpf, self.tpf) - base).to(device))
+        return cached[key]
+
 
 class MotionRoPE(RoPE):
     """Angles for (time, column + time, row + time) of each token (``rope_impl: motion``)."""

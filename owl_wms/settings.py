@@ -31,6 +31,16 @@ def _bool(text: str) -> bool:
     raise ValueError
 
 
+def _compile_mode(text: str) -> str:
+    t = str(text).strip().lower()
+    if t == "auto":
+        return t
+    return "1" if _bool(t) else "0"
+
+
+_compile_mode.accepted = "auto|0|1"
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         t = str(text).strip().lower()
@@ -122,9 +132,10 @@ OPTIONS: tuple[Option, ...] = (
            "AVX512-BF16 or AMX; fp32 on other CPUs, where bf16 matmuls run unvectorised)"),
     Option("seed", _int(0), 0, "seed of the noise generator"),
     Option("threads", _int(0, 1024), 0, "CPU threads for torch (0: the machine's physical cores, shared by TP ranks)"),
-    Option("compile", _bool, False, "torch.compile the model and the KV codecs' kernels"),
-    Option("frame_graph", _bool, True, "with compile: each generated frame's model call as one graph "
-           "(in-place bf16/int8 rings; 0: a graph per block half)"),
+    Option("compile", _compile_mode, "auto", "torch.compile the frame call (auto: eager frames at once while it "
+           "compiles in the background, then the compiled call; 1: compile before the first frame; 0: never)"),
+    Option("frame_graph", _bool, True, "with compile: each generated frame's model call as one graph of the "
+           "model as written (over the in-place ring; 0: a graph per block half)"),
     Option("attn_backend", _choice("auto", "sdpa", "flex"), "auto",
          "attention backend (auto: flex on GPU, sdpa on CPU)"),
     Option("attn_sdpa_decode", _bool, False, "use SDPA for per-frame decode"),
@@ -283,7 +294,8 @@ class Settings:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     threads: int = 0  # CPU threads torch uses (0: not chosen; apps resolve it to the physical cores)
-    compile: bool = False
+    compile: bool = False  # compile before the first frame (OWL_COMPILE=1)
+    compile_background: bool = False  # the apps compile the frame call in the background (OWL_COMPILE=auto)
     frame_graph: bool = True
     attn_backend: str = "sdpa"
     attn_backend_decode: str = "sdpa"
@@ -336,10 +348,10 @@ class Settings:
         if backend == "auto":
             # FlexAttention is fast only when compiled (Triton); eager it runs an unfused
             # reference that made a CUDA frame ~10x slower than SDPA (measured on an H100).
-            backend = "flex" if device.startswith("cuda") and v["compile"] else "sdpa"
+            backend = "flex" if device.startswith("cuda") and v["compile"] == "1" else "sdpa"
         dtype = v["dtype"] if v["dtype"] != "auto" else "bf16" if native_bf16(device) else "fp32"
-        return cls(device=device, dtype=_DTYPES[dtype], seed=v["seed"], threads=v["threads"], compile=v["compile"],
-                   frame_graph=v["frame_graph"],
+        return cls(device=device, dtype=_DTYPES[dtype], seed=v["seed"], threads=v["threads"],
+                   compile=v["compile"] == "1", compile_background=v["compile"] == "auto", frame_graph=v["frame_graph"],
                    attn_backend=backend, attn_backend_decode="sdpa" if v["attn_sdpa_decode"] else backend,
                    kv_cache=v["kv_cache"], profile_kv=v["profile_kv"],
                    profile_kv_first=v["profile_kv_first"], profile_kv_every=v["profile_kv_every"],
@@ -348,12 +360,16 @@ class Settings:
                    tp_check_every=v["tp_check_every"], tp_timeout_s=float(v["tp_timeout_s"]),
                    kv=KVSettings.resolve(v, source, name, v["kv_cache"]))
 
+    @property
+    def compile_mode(self) -> str:
+        return "1" if self.compile else "auto" if self.compile_background else "0"
+
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        return (f"device={self.device} dtype={dtype} seed={self.seed} threads={self.threads} compile={int(self.compile)} "
+        return (f"device={self.device} dtype={dtype} seed={self.seed} threads={self.threads} compile={self.compile_mode} "
                 + ("frame_graph=0 " if self.compile and not self.frame_graph else "")
                 + f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
                 + (f"[{self.kv.describe()}] " if self.kv_cache != "none" else "")

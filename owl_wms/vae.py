@@ -29,6 +29,14 @@ class FrameDecoder(nn.Module):
         self._decode = torch.compile(self._decode_sample, dynamic=False, **kwargs)
         return self
 
+    def compiled_decode(self, options: dict | None = None):
+        """A compiled decode (of latents on the autoencoder's device and dtype), to warm up
+        before ``use_decode`` installs it."""
+        return torch.compile(self._decode_sample, dynamic=False, options=options)
+
+    def use_decode(self, decode) -> None:
+        self._decode = decode
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         if latents.ndim != 4 or latents.shape[1] != self.latent_channels:

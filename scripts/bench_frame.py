@@ -1,7 +1,8 @@
 """Milliseconds per frame of every path, side by side in one run: the original implementation's
-eager loop, today's eager default, the compiled graph per block half, and the frame graph.
+eager loop, the eager path, the compiled graph per block half, the model compiled whole (the
+default), and batched sessions.
 
-    python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--original PATH] [--json out.json]
+    python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--sessions 1 2 4 8] [--original PATH] [--json out.json]
 
 Per model (the shipped world; a production-shaped GameRFT, d_model 1536, 24 heads, 64 tokens a
 frame, a 60-frame window, random weights, ``--prod-layers`` of its 16 layers), each path is
@@ -16,9 +17,12 @@ frame so drift in the machine's speed touches every ratio alike. Reported per pa
 - the floor: the frame's FLOPs (torch.utils.flop_counter) over this machine's measured matmul
   rate in the model's dtype;
 - on a CPU, per model and dtype, one frame's attention over each ring length of its layers, by
-  SDPA and by matmul-softmax-matmul (``attention.matmul_attention``, the frame graph's choice on
-  a CPU in bf16), each compiled as the frame graph compiles it, in microseconds (on CUDA the
-  graph always takes SDPA, so the table is skipped there).
+  SDPA and by matmul-softmax-matmul (``attention.matmul_attention``, the compiled model's choice
+  on a CPU in bf16), each compiled, in microseconds (on CUDA the compiled model always takes
+  SDPA, so the table is skipped there);
+- batched sessions (owl_wms/engine/sessions.py): B sessions, each a frame a step, one model call
+  per denoising step, compiled whole, in the first dtype: ms per step, per session-frame, and
+  the aggregate session-frames a second, as a ratio to B = 1's.
 
 ``--original PATH``: a checkout of Wayfarer-Labs/owl-wms, branch laptop_inference_v2_bf16 (needs
 rotary-embedding-torch). Its GameRFTCore, StaticCache and two-step loop run on the same weights,
@@ -41,13 +45,13 @@ import torch
 
 from .common import machine, require_at_least, synchronizer
 
-# (path, OWL_* flags); the first is what the app ran by default before the frame graph (in bf16)
-OURS = [("eager, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}),
-        ("compiled per block, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace",
-                                               "OWL_COMPILE": "1", "OWL_FRAME_GRAPH": "0"}),
-        ("frame graph, int8 in-place", {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace", "OWL_COMPILE": "1"}),
-        ("frame graph, bf16 in-place", {"OWL_RING_MODE": "inplace", "OWL_COMPILE": "1"}),
-        ("eager, bf16 roll (the original's layout)", {"OWL_RING_MODE": "roll"})]
+# (path, OWL_* flags); the first is the eager path, the third the default (the model compiled whole)
+INT8 = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}
+OURS = [("eager, int8 in-place", {**INT8, "OWL_COMPILE": "0"}),
+        ("compiled per block, int8 in-place", {**INT8, "OWL_COMPILE": "1", "OWL_FRAME_GRAPH": "0"}),
+        ("compiled whole, int8 in-place", {**INT8, "OWL_COMPILE": "1"}),
+        ("compiled whole, bf16 in-place", {"OWL_RING_MODE": "inplace", "OWL_COMPILE": "1"}),
+        ("eager, bf16 roll (the original's layout)", {"OWL_RING_MODE": "roll", "OWL_COMPILE": "0"})]
 ORIGINAL = "original eager loop, roll cache"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WALK = ([1.0, 0.0], [1] + [0] * 10)
@@ -177,7 +181,7 @@ def frame_flops(path) -> int:
 def attention_times(cfg, window: int, dtype, repeats: int = 50) -> list[dict]:
     """Microseconds of one frame's queries attending over each ring length of the model's layers
     on the CPU (under a mask with a masked-out slot and a biased one), SDPA beside
-    matmul-softmax-matmul, each compiled as in the frame graph: the medians of ``repeats`` calls."""
+    matmul-softmax-matmul, each compiled as in the compiled model: the medians of ``repeats`` calls."""
     from owl_wms.attention import matmul_attention, sdpa_attention
 
     compiled = {name: torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
@@ -272,25 +276,24 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
         original = next((r for r in rows if r["path"] == ORIGINAL and r["dtype"] == dtype_name), None)
         rows.append({"model": label, "path": p.name, "dtype": dtype_name, "calls_ms": ms, "decode_ms": decode_ms,
                      "end_to_end_ms": ms + decode_ms if decode_ms is not None else None,
-                     "x_default": reference / ms, "x_original": original["calls_ms"] / ms if original else None,
+                     "x_eager": reference / ms, "x_original": original["calls_ms"] / ms if original else None,
                      "x_floor": ms / floor_ms, "overhead_share": overhead_share(p, args.profile_frames, args.device),
                      "flops": flops, "matmul_gflops": rate / 1e9, "floor_ms": floor_ms})
     for dtype_name, (flops, rate, floor_ms) in floors.items():
         print(f"{dtype_name}: frame FLOPs (two calls) {flops / 1e6:.0f} M; matmul rate {rate / 1e9:.1f} GFLOP/s: "
               f"floor {floor_ms:.2f} ms")
-    before = " (the app's default before the frame graph)" if args.dtype[0] == "bf16" else ""
-    print(f"x default: against {OURS[0][0]} in {args.dtype[0]}{before}; x original: against the original in the "
-          "same dtype")
-    print(f"{'path':<42} {'dtype':>8} {'calls ms':>9} {'decode ms':>10} {'FPS':>6} {'x default':>10} "
+    print(f"x eager: against {OURS[0][0]} in {args.dtype[0]}; x original: against the original in the same dtype")
+    print(f"{'path':<42} {'dtype':>8} {'calls ms':>9} {'decode ms':>10} {'FPS':>6} {'x eager':>10} "
           f"{'x original':>11} {'x floor':>8} {'overhead':>9}")
     for r in rows:
         dec = f"{r['decode_ms']:.2f}" if r["decode_ms"] is not None else "-"
         fps = f"{1000 / r['end_to_end_ms']:.1f}" if r["end_to_end_ms"] else "-"
         x_orig = f"{r['x_original']:.2f}" if r["x_original"] else "-"
-        print(f"{r['path']:<42} {r['dtype']:>8} {r['calls_ms']:>9.2f} {dec:>10} {fps:>6} {r['x_default']:>10.2f} "
+        print(f"{r['path']:<42} {r['dtype']:>8} {r['calls_ms']:>9.2f} {dec:>10} {fps:>6} {r['x_eager']:>10.2f} "
               f"{x_orig:>11} {r['x_floor']:>8.1f} {100 * r['overhead_share']:>8.0f}%")
+    sessions = session_rows(label, model, decoder, world, history, args)
     if args.device != "cpu":
-        return rows, []
+        return rows, [], sessions
     attention = [dict(a, model=label) for name in args.dtype
                  for a in attention_times(cfg, window, DTYPES[name])]
     print(f"attention of one frame's queries ({cfg.tokens_per_frame} tokens, {cfg.n_heads} heads) over a ring, "
@@ -299,7 +302,61 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     for a in attention:
         print(f"{a['dtype']:>9} {a['keys']:>6} {a['sdpa_us']:>9.1f} {a['matmul_us']:>10.1f} "
               f"{a['sdpa_us'] / a['matmul_us']:>14.2f}")
-    return rows, attention
+    return rows, attention, sessions
+
+
+def session_rows(label, model, decoder, world, history, args) -> list[dict]:
+    """B sessions of the default (compiled whole, int8 in-place) at once, for each B of
+    ``args.sessions``: ms per batched step (a frame of every session, decoded with the decoder
+    when there is one), per session-frame, and the aggregate rate as a ratio to B = 1's."""
+    from inference.flags import resolve_settings, with_threads
+    from owl_wms.engine.sessions import Sessions
+    from owl_wms.settings import without_kv
+
+    if not args.sessions:
+        return []
+    settings = with_threads(resolve_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device}))
+    dtype = DTYPES[args.dtype[0]]
+    sync, rows = synchronizer(args.device), []
+    for n in args.sessions:
+        batch = Sessions(copy.deepcopy(model), copy.deepcopy(decoder), world, settings.replace(dtype=dtype),
+                         capacity=n, verbose=False)
+        pipes = [batch.open(seed=i, clip=None) for i in range(n)]
+        for pipe in pipes:
+            pipe.prefill(*history)
+        controls = {pipe: WALK for pipe in pipes}
+        for _ in range(args.warmup):
+            latents = batch.step(controls)
+            if decoder is not None:
+                batch.decode(list(latents.values()))
+        denoise, decode = [], []
+        for _ in range(args.frames):
+            sync()
+            t0 = time.perf_counter()
+            latents = batch.step(controls)
+            sync()
+            t1 = time.perf_counter()
+            if decoder is not None:
+                batch.decode(list(latents.values()))
+                sync()
+            decode.append(time.perf_counter() - t1)
+            denoise.append(t1 - t0)
+        denoise_ms, decode_ms = (1000 * statistics.median(x) for x in (denoise, decode))
+        ms = denoise_ms + decode_ms if decoder is not None else denoise_ms
+        rows.append({"model": label, "sessions": n, "dtype": args.dtype[0], "denoise_ms": denoise_ms,
+                     "step_ms": ms, "session_frame_ms": ms / n, "aggregate_fps": 1000 * n / ms,
+                     "denoise_fps": 1000 * n / denoise_ms, "decoded": decoder is not None})
+    for r in rows:
+        r["x_one_session"] = r["aggregate_fps"] / rows[0]["aggregate_fps"]
+        r["x_one_session_denoise"] = r["denoise_fps"] / rows[0]["denoise_fps"]
+    what = "a step: denoise + decode" if decoder is not None else "a step: denoise only"
+    print(f"batched sessions, compiled whole, int8 in-place, {args.dtype[0]} ({what}):")
+    print(f"{'sessions':>9} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} {'session-frames/s':>17} "
+          f"{'x one session':>14} {'x (denoise)':>12}")
+    for r in rows:
+        print(f"{r['sessions']:>9} {r['denoise_ms']:>11.2f} {r['step_ms']:>9.2f} {r['session_frame_ms']:>17.2f} "
+              f"{r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} {r['x_one_session_denoise']:>12.2f}")
+    return rows
 
 
 def main(argv=None):
@@ -309,6 +366,8 @@ def main(argv=None):
     p.add_argument("--profile-frames", type=int, default=4, help="frames per path under torch.profiler")
     p.add_argument("--prod-layers", type=int, default=2, help="layers of the production-shaped model (0: skip it)")
     p.add_argument("--original", type=Path, default=None, help="a checkout of the original (see above)")
+    p.add_argument("--sessions", nargs="*", type=int, default=[1, 2, 4, 8],
+                   help="batch sizes of the batched-sessions table (none: skip it)")
     p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES),
                    help="dtypes to run every path in (the first is the reference's)")
     p.add_argument("--device", default="cpu")
@@ -335,19 +394,22 @@ def main(argv=None):
     print(f"command: {command.rstrip()}\ntorch {torch.__version__}; machine: {machine()}; device {args.device}")
     world = load_world(SHIPPED_WORLD)
     model = load_weights(build_model(world.model), read_weights(world.path.parent / "model.safetensors").tensors, "shipped")
-    rows, attention = run_model("shipped world", model, load_decoder(world), world, args, classes)
+    if any(not 1 <= n <= 64 for n in args.sessions):
+        raise SystemExit(f"error: --sessions {' '.join(map(str, args.sessions))}: each must be in [1, 64]")
+    rows, attention, sessions = run_model("shipped world", model, load_decoder(world), world, args, classes)
     if args.prod_layers:
         cfg = ModelConfig.from_mapping({**PRODUCTION, "n_layers": args.prod_layers})
         torch.manual_seed(0)
         prod = GameRFT(cfg)
         prod_world = WorldConfig(model=cfg, vae_scale=1.0, pipeline=PipelineConfig(window_frames=60),
                                  decoder=DecoderConfig(), name="production-shaped-random")
-        prod_rows, prod_attention = run_model(f"production-shaped, {args.prod_layers} of 16 layers (denoise only)",
-                                              prod, None, prod_world, args, classes)
-        rows, attention = rows + prod_rows, attention + prod_attention
+        prod_rows, prod_attention, prod_sessions = run_model(
+            f"production-shaped, {args.prod_layers} of 16 layers (denoise only)", prod, None, prod_world, args, classes)
+        rows, attention, sessions = rows + prod_rows, attention + prod_attention, sessions + prod_sessions
     if args.json:
         Path(args.json).write_text(json.dumps({"command": command, "machine": machine(), "torch": torch.__version__,
-                                               "rows": rows, "attention": attention}, indent=2))
+                                               "rows": rows, "attention": attention, "sessions": sessions},
+                                              indent=2))
 
 
 if __name__ == "__main__":

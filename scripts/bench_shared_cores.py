@@ -30,9 +30,14 @@ while time.time() < end:
 """
 
 
+# What a user's shell would not set: the thread choices are the command's own.
+UNSET = ("OWL_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+
+
 def run_game(frames: int, out: str, env: dict) -> float:
     cmd = [sys.executable, "-m", "inference.game_cv", "--headless", "--frames", str(frames), "--out", out]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    base = {k: v for k, v in os.environ.items() if k not in UNSET}
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**base, **env})
     m = re.search(r"pipeline ([\d.]+) FPS \(([\d.]+) after", r.stdout)
     if r.returncode or m is None:
         raise SystemExit(f"error: {' '.join(cmd)} failed (exit {r.returncode}): {(r.stdout + r.stderr)[-800:]}")
@@ -41,10 +46,12 @@ def run_game(frames: int, out: str, env: dict) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--frames", type=int, default=64)
+    p.add_argument("--frames", type=int, default=64, help="frames of each run (at least 2)")
     p.add_argument("--out", default="/tmp/owl_bench_shared_cores.mp4", help="where the rollouts' video goes")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
+    if args.frames < 2:
+        raise SystemExit(f"error: --frames {args.frames}: at least 2 (the rate is taken after the first frame)")
     cores = physical_cores()
     print(f"# {machine()}; {cores} physical cores; {args.frames} frames of the shipped world")
     rows = [{"run": "free machine", "fps": run_game(args.frames, args.out, {})}]

@@ -33,7 +33,7 @@ def cases() -> dict[str, tuple[dict, int]]:
     return out
 
 
-def render(name: str, flags: dict, ranks: int, folder: Path) -> Path:
+def render(name: str, flags: dict, ranks: int, folder: Path, dtype: str | None = None) -> Path:
     frames = folder / f"{name}.npy"
     cli = ["--headless", "--frames", str(FRAMES), "--out", str(folder / f"{name}.mp4"), "--save-frames", str(frames)]
     if ranks > 1:
@@ -42,7 +42,7 @@ def render(name: str, flags: dict, ranks: int, folder: Path) -> Path:
     else:
         cmd = [sys.executable, "-m", "inference.game_cv", *cli]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OWL_")}
-    env.update(flags, OWL_DEVICE="cpu")
+    env.update(flags, OWL_DEVICE="cpu", **({"OWL_DTYPE": dtype} if dtype else {}))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not frames.is_file():
         raise SystemExit(f"error: case {name!r} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
@@ -55,13 +55,14 @@ def main(argv=None) -> int:
     p.add_argument("mode", choices=("save", "compare"))
     p.add_argument("folder", help="where the reference frames are saved / read")
     p.add_argument("--only", nargs="*", default=None, help=f"case names (default: all; presets from {PRESETS.name})")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="every case in this dtype (default: auto)")
     args = p.parse_args(argv)
     folder = Path(args.folder)
     todo = {k: v for k, v in cases().items() if args.only is None or k in args.only}
     if args.mode == "save":
         folder.mkdir(parents=True, exist_ok=True)
         for name, (flags, ranks) in todo.items():
-            print(f"{name}: saved {render(name, flags, ranks, folder)}", flush=True)
+            print(f"{name}: saved {render(name, flags, ranks, folder, args.dtype)}", flush=True)
         return 0
     if not folder.is_dir():
         raise SystemExit(f"error: {folder} holds no reference frames; run: python -m scripts.check_frames save {folder}")
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
                 print(f"{name}: no reference frames ({ref})")
                 failed += 1
                 continue
-            a, b = np.load(ref), np.load(render(name, flags, ranks, Path(tmp)))
+            a, b = np.load(ref), np.load(render(name, flags, ranks, Path(tmp), args.dtype))
             same = a.shape == b.shape and np.array_equal(a, b)
             diff = "" if same or a.shape != b.shape else f", max |diff| {np.abs(a.astype(int) - b).max()}"
             print(f"{name}: {'identical' if same else 'DIFFERENT'} ({len(b)} frames {b.shape[1:]}{diff})", flush=True)

@@ -3,10 +3,10 @@
 #
 #     OUT=gpu_results bash scripts/device_check.sh
 #
-# 1. the CUDA half of the KV and frame-graph tests (fused inplace step vs the eager ring, bit for
-#    bit; bench_kv's frame captured as a CUDA graph rewrites its slot on replay; the frame graph
-#    replayed as a CUDA graph gives the eager frames, the same frames run to run, noise drawn on
-#    the GPU, and no recompile across wraps, cuts, recomputes and bias changes);
+# 1. the CUDA half of the KV and compiled-frame tests (fused inplace step vs the eager ring, bit for
+#    bit; bench_kv's frame captured as a CUDA graph rewrites its slot on replay; the model compiled
+#    whole gives the eager frames, the same frames run to run, noise drawn on the GPU, and no
+#    recompile across wraps, cuts, recomputes and bias changes);
 # 2. bench_kv --device cuda --cuda-graph: per-frame cache cost of every layout x codec as ratios
 #    to bf16 roll, as launched and as captured CUDA graphs (kernels only), memory, the v0-v4
 #    matrix on the shipped world;
@@ -15,14 +15,14 @@
 # 4. bench_compile --device cuda: eager vs OWL_COMPILE=1 per cache mode, and recompiles
 #    after warm-up (0 = none in steady state);
 # 5. bench_frame --device cuda: ms a frame of the production-shaped model (16 layers, bf16): eager,
-#    per-block compile and the frame graph replayed as a CUDA graph, int8 and bf16 in-place rings;
+#    per-block compile and the model compiled whole, int8 and bf16 in-place rings, batched sessions;
 # 6. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model.
 #
-# The GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg: put their wheels in
-# .whl/ (docs/turning.md says how) and carry it; they are installed to /tmp/site first. The step
-# limits add up to 9 minutes, inside one 10-minute device call. ORIGINAL=<folder in the carried
-# tree> (a checkout of the original, with a rotary-embedding-torch wheel in .whl/) adds the
-# original's own loop to bench_frame.
+# Where the GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg, put their wheels
+# in .whl/ beside the repository (docs/turning.md says how); they are installed to /tmp/site first.
+# The step limits add up to 9 minutes, so the whole check fits a 10-minute run. ORIGINAL=<folder>
+# (a checkout of the original, with a rotary-embedding-torch wheel in .whl/) adds the original's
+# own loop to bench_frame.
 #
 # STEPS="tests chain" runs only those steps. Each step has its own time limit in seconds
 # (STEP_LIMIT_SCALE=2 doubles them all), so one hang cannot eat the others; each step's log is
@@ -58,7 +58,7 @@ fi
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
 
 # -o addopts= : the suite's pytest-xdist options, which the GPU machine's pytest may not know
-step tests 120 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_frame_graph.py -k cuda
+step tests 120 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_compiled.py -k cuda
 step bench_kv 130 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
 tmp=$(mktemp -d)
 step chain 50 bash -c "set -e

@@ -6,10 +6,11 @@ z ~ N(0, I) -> v1 = model(z, 1) (writes off) -> x = z - 0.75 v1 -> v2 = model(x,
 The schedule generalises to any t_0 = 1 > ... > t_K = 0; the cache is written at the last step.
 
 Every step is a ``StepPlan`` of the cache lifecycle (lifecycle.py): hard cuts, recomputes,
-observed frames and generated frames all run through ``_execute``, the only code that touches
-the cache. Around it, collaborators: tensor_parallel.py runs the steps in lockstep on every
-rank, nocache.py is the cache-free baseline, snapshot.py saves and restores the state, and
-profiler.py times the sections of a frame.
+observed frames and generated frames all run through ``execute`` (a batch of sessions through
+``plan_frame``, ``write_history`` and ``finish_frame`` around its batched call, sessions.py).
+The model calls themselves are the runner's (runner.py). Around it, collaborators:
+tensor_parallel.py runs the steps in lockstep on every rank, nocache.py is the cache-free
+baseline, snapshot.py saves and restores the state, and profiler.py times the sections of a frame.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache import build_cache, describe_plan, plan_layers
+from ..cache import describe_plan
 from ..clips import Clip
 from ..config import WorldConfig, check_schedule, load_world
 from ..controls import N_BUTTONS, as_controls, no_controls, to_uint8
@@ -29,55 +30,43 @@ from ..settings import KVSettings, Settings
 from ..vae import FrameDecoder, load_decoder
 from . import snapshot
 from .anchor import RecomputeAnchor
-from .frame_graph import FrameGraph, frame_graph_blocker
 from .lifecycle import Lifecycle, LifecycleError, Phase, StepPlan
 from .nocache import NoCacheHistory
 from .profiler import KVProfiler, NoProfiler
 from .replay import ClipReplay
+from .runner import ModelRunner
 from .tensor_parallel import TensorParallelSteps
 
 
 class CausvidPipeline:
     def __init__(self, model, decoder: FrameDecoder | None, world: WorldConfig, settings: Settings | None = None,
                  ground_truth: bool = False, verbose: bool = True, tp: ParallelContext | None = None,
-                 weights: str | None = None):
+                 weights: str | None = None, runner: ModelRunner | None = None, cache=None):
         """``settings``: typed settings (default: the config's ``inference:`` section alone);
-        ``tp``: this rank's tensor-parallel context; ``weights``: which weights were loaded."""
+        ``tp``: this rank's tensor-parallel context; ``weights``: which weights were loaded;
+        ``runner``: the model, decoder and model call shared with other sessions (default: its
+        own); ``cache``: this session's cache (default: made at the first history)."""
         self.world, self.cfg, self.weights = world, world.model, weights
         self.settings = s = settings or Settings.from_config(world.inference)
         self.window, self.alpha, self.vae_scale = world.pipeline.window_frames, world.pipeline.history_alpha, world.vae_scale
         self.lifecycle = Lifecycle(len(world.pipeline.schedule) - 1, s.kv_recompute_every, s.kv_cache_attention_bias)
         self.schedule = world.pipeline.schedule
-        self.device = torch.device(s.device)
         self.n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
         self.verbose = verbose and (tp is None or tp.is_leader)
         self.log = lambda text: print(text, flush=True)  # where messages go (a progress bar may take them)
         # Under tensor parallelism each rank holds some heads; its cache sees only those.
         self.tp = TensorParallelSteps(self, tp, model) if tp is not None else None
         self.cache_cfg = tp.local_config(self.cfg) if tp is not None else self.cfg
-        self.model = model.to(self.device, s.dtype).eval()
-        self.core = self.model.core
-        self.core.transformer.set_backends(s.attn_backend, s.attn_backend_decode)
-        if s.compile:
-            # Only the transformer is compiled: RoPE angles and cache bookkeeping run eagerly
-            # around it, so decode shapes are static and nothing recompiles per frame.
-            self.core.transformer.compile(dynamic=False)
-        self.decoder = decoder.to(self.device).eval() if decoder is not None else None
-        if self.decoder is not None and s.compile:
-            # On the CPU a C++ wrapper calls the decoder's kernels without Python between them
-            self.decoder.compile(options={"cpp_wrapper": True} if self.device.type == "cpu" else None)
+        self.runner = runner or ModelRunner(model, decoder, world, s, self.cache_cfg, tp)
+        self.model, self.core, self.decoder = self.runner.model, self.runner.core, self.runner.decoder
+        self.device, self.kv_plan = self.runner.device, self.runner.kv_plan
         # Noise is drawn where the model runs (no host-to-device copy in a frame); under tensor
         # parallelism rank 0 draws it on the host, as the step plan it broadcasts is pickled.
         self.noise_device = self.device if tp is None else torch.device("cpu")
         self.generator = torch.Generator(self.noise_device).manual_seed(s.seed)
-        self.kv_plan = plan_layers(self.cache_cfg, s.kv, self.window) if s.kv_cache != "none" else None
-        # With compile, each generated frame's model call is one graph where the cache allows
-        # (frame_graph.py); multi-frame calls (history, recompute) run the per-block path.
-        self.frame_graph_blocker = frame_graph_blocker(s, self.kv_plan, tp)
-        self.frame_graph = FrameGraph(self.core, self.device, s.dtype) if self.frame_graph_blocker is None else None
         profile = s.profile_kv and (tp is None or tp.is_leader)  # rank 0's comm time includes waiting
         self.profiler = KVProfiler.attach(self, tp) if profile else NoProfiler()
-        self.cache = None  # built at the first history
+        self.cache = cache  # built at the first history unless given (a row of a batch's ring)
         self.nocache = NoCacheHistory(self.cfg.n_layers, self.window) if s.kv_cache == "none" else None
         self.recompute_anchor = RecomputeAnchor(self.window)
         self.replay = ClipReplay(world, ground_truth)
@@ -108,6 +97,18 @@ class CausvidPipeline:
                                        doc="soft forgetting, live: the logit bias of cached history keys")
     kv_bytes = property(lambda self: self.cache.nbytes() if self.cache is not None else 0)
     clip = property(lambda self: self.replay.clip, doc="the clip the history came from (None: none)")
+
+    @property
+    def ground_truth(self) -> bool:
+        """Frames take the clip's recorded actions (ground-truth replay) instead of the player's."""
+        return self.replay.on
+
+    @ground_truth.setter
+    def ground_truth(self, on: bool):
+        """Turned on, the clip's recorded actions replay from their start."""
+        self.replay.on = bool(on)
+        if self.replay.on:
+            self.replay.step = 0
 
     @property
     def frame_shape(self) -> tuple[int, int]:
@@ -164,7 +165,7 @@ class CausvidPipeline:
         x = history.float().to(self.noise_device) if noised else self._noised_history(history)
         self.replay.step = 0
         if self.verbose and self.cache_epoch == 0:  # the first history is start-up's last step
-            compiling = ("; OWL_COMPILE=1: the model compiles now and at the first frames (up to a minute on a CPU)"
+            compiling = ("; OWL_COMPILE=1: the frame call compiles at the first frame (up to a minute on a CPU)"
                          if self.settings.compile else "")
             self.log(f"[owl] warm-up: prefilling {history.shape[0]} history frames{compiling} ...")
         self._run(self.lifecycle.cut(x, mouse.float().cpu(), buttons.float().cpu()))
@@ -201,10 +202,11 @@ class CausvidPipeline:
     # -- steps -----------------------------------------------------------------------------------
     def _run(self, plan: StepPlan | None) -> tuple[StepPlan, torch.Tensor | None]:
         """Execute one step: ``plan``, or under tensor parallelism rank 0's (None on the others)."""
-        return self.tp.run(plan) if self.tp is not None else (plan, self._step(plan))
+        return self.tp.run(plan) if self.tp is not None else (plan, self.execute(plan))
 
-    def _step(self, plan: StepPlan) -> torch.Tensor | None:
-        """Execute a plan and check it made the model calls it planned."""
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Execute a plan and check it made the model calls it planned (tensor-parallel ranks
+        execute rank 0's plans through this)."""
         before = self.lifecycle.model_calls
         x = self._execute(plan) if plan.event != "stop" else None
         made = self.lifecycle.model_calls - before
@@ -218,62 +220,62 @@ class CausvidPipeline:
 
     @torch.no_grad()
     def _execute(self, plan: StepPlan) -> torch.Tensor | None:
-        dev = lambda t: t.to(self.device, self.settings.dtype)  # noqa: E731
-        if plan.history is not None:
-            if plan.reset:
-                self._reset_cache(plan.history.shape[0])
-                self.profiler.cut_started(plan.event)
-            t = torch.full((1, plan.history.shape[0]), self.alpha)
-            # A new history fills the cache under the frame mask (the original's prefill); an
-            # observed frame enters it as a generated frame would, decoding.
-            if plan.reset:
-                self.core.transformer.disable_decoding()
-            self._velocity(dev(plan.history[None]), dev(t), dev(plan.history_mouse[None]),
-                           dev(plan.history_buttons[None]), write=True, bias=plan.bias)
-            self.core.transformer.enable_decoding()
-            self.profiler.history_done(plan.event, self.kv_bytes)
+        self.write_history(plan)
         if not plan.generates:
             return None
+        dev = lambda t: t.to(self.device, self.settings.dtype)  # noqa: E731
         m, b = dev(plan.mouse.view(1, 1, 2)), dev(plan.buttons.view(1, 1, N_BUTTONS))
-        last = len(self.schedule) - 2
-        graph = self.frame_graph
-        conditioning = graph.conditioning(self.schedule, m, b) if graph is not None else None  # once a frame
-
-        def velocity(x, t, i):
-            write = plan.commit and i == last
-            if graph is not None:
-                self.lifecycle.model_calls += 1
-                v = graph(self.cache, x, conditioning[i], plan.bias, write)
-            else:
-                v = self._velocity(x, dev(torch.full((1, 1), t)), m, b, write=write, bias=plan.bias)
-            self.last_velocity = v
-            self.profiler.mark(f"step{i + 1}")
-            return v
-
-        x = euler(velocity, dev(plan.noise), self.schedule)
+        x = self.denoise(dev(plan.noise), m, b, plan.bias, plan.commit)
         if plan.commit and (self.tp is None or self.tp.is_leader):
             self.recompute_anchor.add(x[0, 0], plan.mouse, plan.buttons)
         return x
+
+    @torch.no_grad()
+    def write_history(self, plan: StepPlan) -> None:
+        """The frames ``plan`` writes before its frame, if any: a new history (hard cut,
+        recompute) or an observed frame."""
+        if plan.history is None:
+            return
+        dev = lambda t: t.to(self.device, self.settings.dtype)  # noqa: E731
+        if plan.reset:
+            self._reset_cache(plan.history.shape[0])
+            self.profiler.cut_started(plan.event)
+        t = torch.full((1, plan.history.shape[0]), self.alpha)
+        # A new history fills the cache under the frame mask (the original's prefill); an
+        # observed frame enters it as a generated frame would, decoding.
+        if plan.reset:
+            self.core.transformer.disable_decoding()
+        self._velocity(dev(plan.history[None]), dev(t), dev(plan.history_mouse[None]),
+                       dev(plan.history_buttons[None]), write=True, bias=plan.bias)
+        self.core.transformer.enable_decoding()
+        self.profiler.history_done(plan.event, self.kv_bytes)
+
+    def denoise(self, x, mouse, buttons, bias: float, commit: bool) -> torch.Tensor:
+        """A frame from noise ``x`` [1, 1, c, h, w] down the schedule; the last step writes the cache."""
+        last = len(self.schedule) - 2
+
+        def velocity(x, t, i):
+            v = self.last_velocity = self._velocity(x, torch.full((1, 1), t, device=self.device, dtype=x.dtype),
+                                                    mouse, buttons, write=commit and i == last, bias=bias)
+            self.profiler.mark(f"step{i + 1}")
+            return v
+
+        return euler(velocity, x, self.schedule)
 
     def _velocity(self, x, t, m, b, write: bool, bias: float) -> torch.Tensor:
         self.lifecycle.model_calls += 1
         if self.nocache is not None:
             return self.nocache.velocity(self.core, x, t, m, b, write, bias)
-        if write:
-            self.cache.enable_cache_updates()
-        try:
-            return self.core(x, t, m, b, kv_cache=self.cache, attn_bias=bias)
-        finally:
-            self.cache.disable_cache_updates()
+        return self.runner.call(x, t, m, b, self.cache, bias, write)
 
     def _reset_cache(self, history_frames: int):
         if self.nocache is not None:
             self.nocache.reset(self.cfg, self.device, self.settings.dtype, prefill_end=history_frames)
         elif self.cache is None:
-            self.cache = build_cache(self.cache_cfg, self.settings, self.window, plans=self.kv_plan)
+            self.cache = self.runner.new_cache()
             self.profiler.watch_cache(self.cache)
         else:
-            self.cache.reset(1)
+            self.cache.reset()
 
     # -- frames ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -290,6 +292,17 @@ class CausvidPipeline:
         """One frame in model space: latent [1, 1, c, h, w] (not yet multiplied by vae_scale).
         ``commit=False`` leaves the history untouched (teacher forcing with ``observe``). When a
         recompute is due (kv_recompute_every) the step first rebuilds the cache from the anchor."""
+        _, x = self._run(self.plan_frame(mouse, buttons, noise, commit))
+        report = self.verbose and not self._guard_reported and getattr(self.cache, "guard_report", lambda: None)()
+        if report:  # the ring guard's checksum window is over
+            self.log(report)
+            self._guard_reported = True
+        return x
+
+    def plan_frame(self, mouse, buttons, noise: torch.Tensor | None = None, commit: bool = True) -> StepPlan:
+        """The step that makes this session's next frame (``generate`` runs it; a batch of
+        sessions runs many in one call): the controls (the clip's in ground-truth mode), a
+        recompute's anchor if one is due, and the noise, drawn anchor first."""
         if self.lifecycle.phase is Phase.EMPTY:
             raise RuntimeError("pipeline has no history; call load_clip(), hard_cut() or prefill() first")
         mouse, buttons = self.last_controls = self.replay.controls(mouse, buttons)
@@ -298,12 +311,16 @@ class CausvidPipeline:
             lat, am, ab = self.anchor()
             anchor = (self._noised_history(lat), am, ab)  # anchor noise is drawn before the frame's
         noise = self.noise() if noise is None else noise.float().to(self.noise_device)
-        _, x = self._run(self.lifecycle.frame(mouse.float(), buttons.float(), noise, commit, anchor))
-        report = self.verbose and not self._guard_reported and getattr(self.cache, "guard_report", lambda: None)()
-        if report:  # the ring guard's checksum window is over
-            self.log(report)
-            self._guard_reported = True
-        return x
+        return self.lifecycle.frame(mouse.float(), buttons.float(), noise, commit, anchor)
+
+    def finish_frame(self, plan: StepPlan, latent: torch.Tensor, denoise_calls: int) -> None:
+        """After a batch made ``plan``'s frame ``latent`` [1, 1, c, h, w] in ``denoise_calls`` model
+        calls (``write_history`` counted its own): the anchor and the lifecycle follow, as after
+        ``generate``, which fails fast if the calls differ from the plan's."""
+        self.lifecycle.model_calls += denoise_calls
+        if plan.commit:
+            self.recompute_anchor.add(latent[0, 0], plan.mouse, plan.buttons)
+        self.lifecycle.advance(plan)
 
     @torch.no_grad()
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
@@ -330,13 +347,9 @@ class CausvidPipeline:
     get_state, load_state, save_state = snapshot.get_state, snapshot.load_state, snapshot.save_state
 
 
-def load_pipeline(checkpoint=None, ckpt_path=None, settings: Settings | None = None, clip=0, ground_truth: bool = False,
-                  verbose: bool = True, tp: ParallelContext | None = None, weights: str | None = None,
-                  cls=CausvidPipeline) -> CausvidPipeline:
-    """``checkpoint``: a checkpoint folder (with config.yaml), a config file, or a config already
-    read by ``load_world`` (default: the shipped world). ``weights``: "ema" or "online" of a
-    trainer checkpoint holding both (default: EMA where present). Under tensor parallelism only
-    rank 0 loads the decoder."""
+def load_parts(checkpoint=None, ckpt_path=None, weights: str | None = None, decoder: bool = True):
+    """(world, model, decoder or None, a description of the weights) of a checkpoint folder, a
+    config file or a config already read by ``load_world`` (default: the shipped world)."""
     world = checkpoint if isinstance(checkpoint, WorldConfig) else load_world(
         SHIPPED_WORLD if checkpoint is None else checkpoint)
     if ckpt_path is None and world.path is None:
@@ -344,9 +357,18 @@ def load_pipeline(checkpoint=None, ckpt_path=None, settings: Settings | None = N
     ckpt_path = Path(ckpt_path) if ckpt_path is not None else world.path.parent / "model.safetensors"
     loaded = read_weights(ckpt_path, weights)
     model = load_weights(build_model(world.model), loaded.tensors, str(ckpt_path))
-    decoder = load_decoder(world) if tp is None or tp.is_leader else None
-    pipe = cls(model, decoder, world, settings, ground_truth=ground_truth, verbose=verbose, tp=tp,
-               weights=loaded.describe())
+    return world, model, load_decoder(world) if decoder else None, loaded.describe()
+
+
+def load_pipeline(checkpoint=None, ckpt_path=None, settings: Settings | None = None, clip=0, ground_truth: bool = False,
+                  verbose: bool = True, tp: ParallelContext | None = None, weights: str | None = None,
+                  cls=CausvidPipeline) -> CausvidPipeline:
+    """``checkpoint``: a checkpoint folder (with config.yaml), a config file, or a config already
+    read by ``load_world`` (default: the shipped world). ``weights``: "ema" or "online" of a
+    trainer checkpoint holding both (default: EMA where present). Under tensor parallelism only
+    rank 0 loads the decoder."""
+    world, model, decoder, described = load_parts(checkpoint, ckpt_path, weights, tp is None or tp.is_leader)
+    pipe = cls(model, decoder, world, settings, ground_truth=ground_truth, verbose=verbose, tp=tp, weights=described)
     if clip is not None and (tp is None or tp.is_leader):
         pipe.load_clip(clip)
     return pipe
@@ -366,9 +388,8 @@ def startup_text(pipe) -> str:
     if pipe.kv_plan is not None and pipe.settings.kv != KVSettings():
         text += f"\n[owl] kv plan: {describe_plan(pipe.kv_plan)}"
     s = pipe.settings
-    if s.compile:
-        text += ("\n[owl] compile: each generated frame's model call is one graph" if pipe.frame_graph is not None
-                 else f"\n[owl] compile: a graph per block half (no frame graph: {pipe.frame_graph_blocker})")
+    if pipe.runner.describe():
+        text += "\n" + pipe.runner.describe()
     if s.compile and s.device == "cpu" and "flex" in (s.attn_backend, s.attn_backend_decode):
         text += ("\n[owl] compile: FlexAttention stays eager on CPU (inductor's CPU lowering fails for these "
                  "shapes); the rest of every block is compiled")

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..cache import QuantizedStaticCache
+from ..ring import RingCache
 
 
 def peak_memory_mb(device: str) -> float:
@@ -21,10 +22,29 @@ def peak_memory_mb(device: str) -> float:
 
 
 class NoProfiler:
-    """What the pipeline holds when profiling is off: every hook does nothing."""
+    """What the pipeline holds when profiling is off: the hooks it calls, doing nothing (a hook
+    missing here is an AttributeError, not a silent no-op)."""
 
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+    def start(self):
+        return None
+
+    def mark(self, name: str):
+        return None
+
+    def watch_cache(self, cache):
+        return None
+
+    def cut_started(self, event: str):
+        return None
+
+    def history_done(self, event: str, kv_bytes: int):
+        return None
+
+    def frame_done(self, pipe):
+        return None
+
+    def frame(self, *args, **kwargs):
+        return None
 
 
 class KVProfiler:
@@ -44,7 +64,15 @@ class KVProfiler:
         return self
 
     def watch_cache(self, cache):
-        """Time a quantized cache's encode, decode and fused ring step (compiled: both in one call)."""
+        """Time a quantized cache's encode, decode and fused ring step (compiled: both in one call);
+        over the ring, each layer's K and V encode and decode (eager calls only: compiled, they
+        are inside the model's one graph)."""
+        if isinstance(cache, RingCache):
+            for layer in cache.layers:
+                for ring in (layer.k, layer.v):
+                    if ring.quantized:
+                        self.instrument(ring, "encode", "quant")
+                        self.instrument(ring, "decode", "dequant")
         if isinstance(cache, QuantizedStaticCache):
             for method, section in (("_encode", "quant"), ("_decode", "dequant"), ("_fused_ring_step", "ring_step")):
                 self.instrument(cache, method, section)

@@ -37,7 +37,7 @@ class TensorParallelSteps:
         try:
             plan = tp.exchange(plan, pipe.lifecycle, self.step_error)
             self.step_error = None
-            x = pipe._step(plan)
+            x = pipe.execute(plan)
             if plan.event == "stop" or pipe.lifecycle.call_id % tp.check_every == 0:
                 n = pipe.cfg.n_layers
                 names = [*Lifecycle.SCALAR_NAMES, *(f"offset{i}" for i in range(n))]

@@ -1,0 +1,88 @@
+"""How soon the first frame comes and how soon the compiled frame call takes over, with the
+default OWL_COMPILE=auto, from a cold compile cache and then from the warm one it left.
+
+    python -m scripts.bench_startup [--seconds 120] [--json out.json]
+
+Each start is a fresh process (as a user's): it loads the shipped world, starts the background
+compile as the window does, and makes frames, timing the first one (from the weights being
+loaded) and every later one, until the compiled call took over and then a few seconds more.
+Reported per start: seconds to the first frame, seconds until the compiled call took over, the
+frame rate while it compiled (eager frames beside the compile) and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from scripts.common import machine
+
+
+def child(seconds: float) -> dict:
+    import torch
+
+    from inference.cores import CoreBudget
+    from inference.flags import resolve_settings, with_threads
+    from owl_wms.config import load_world
+    from owl_wms.engine import CausvidPipeline
+    from owl_wms.loading import SHIPPED_WORLD
+
+    world = load_world(SHIPPED_WORLD)
+    settings = with_threads(resolve_settings(world.inference))
+    budget = CoreBudget(settings.threads)
+    pipe = CausvidPipeline.from_checkpoint(world, settings=settings.replace(compile=False, compile_background=True),
+                                           verbose=False)
+    loaded = time.perf_counter()
+    pipe.runner.compile_in_background((1,), threads=(1,) if budget.adaptive and budget.cores > 1 else (),
+                                      log=lambda text: None)
+    stamps, compiled_at = [], None
+    while time.perf_counter() - loaded < seconds:
+        budget.check()
+        pipe.decode(pipe.generate(torch.zeros(2), torch.zeros(11)))
+        stamps.append(time.perf_counter() - loaded)
+        if compiled_at is None and pipe.runner.compiled == "whole":
+            compiled_at = stamps[-1]
+            seconds = min(seconds, compiled_at + 5)  # a few seconds of compiled frames, then stop
+    during = [t for t in stamps if compiled_at is None or t <= compiled_at]
+    after = [t for t in stamps if compiled_at is not None and t > compiled_at]
+    return {"first_frame_s": stamps[0], "compiled_after_s": compiled_at,
+            "fps_while_compiling": (len(during) - 1) / (during[-1] - during[0]) if len(during) > 1 else None,
+            "fps_compiled": (len(after) - 1) / (after[-1] - after[0]) if len(after) > 1 else None}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=120.0, help="longest a start may take to switch")
+    p.add_argument("--json", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.seconds)))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {k: v for k, v in os.environ.items() if k not in ("OWL_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        for start in ("cold compile cache", "warm compile cache"):
+            r = subprocess.run([sys.executable, "-m", "scripts.bench_startup", "--child", "--seconds", str(args.seconds)],
+                               capture_output=True, text=True, env=env)
+            if r.returncode:
+                raise SystemExit(f"error: the {start} run failed (exit {r.returncode}): {r.stderr[-800:]}")
+            rows.append({"start": start, **json.loads(r.stdout.strip().splitlines()[-1])})
+    print(f"# {machine()}; shipped world, OWL_COMPILE=auto")
+    print(f"{'start':<20} {'first frame s':>14} {'compiled after s':>17} {'FPS compiling':>14} {'FPS compiled':>13}")
+    for r in rows:
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"{r['start']:<20} {r['first_frame_s']:>14.2f} {fmt(r['compiled_after_s'], '>17.1f')} "
+              f"{fmt(r['fps_while_compiling'], '>14.1f')} {fmt(r['fps_compiled'], '>13.1f')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
