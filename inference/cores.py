@@ -2,9 +2,9 @@
 
 OpenMP threads spin while they wait for work. On a machine whose cores another busy process
 also uses, a thread per core spins against the neighbour, and each of a frame's thousands of
-small parallel regions waits for a thread the OS has descheduled: on 2 cores the shipped world
-fell from 21 FPS alone to under 1 FPS beside one busy torch process, and ran at 22 FPS there on
-one thread. OpenMP's passive wait policy avoids the collapse but halves the rate on free cores.
+small parallel regions waits for a thread the OS has descheduled: the frame rate collapses
+(``python -m scripts.bench_shared_cores``, docs/results.md). OpenMP's passive wait policy avoids
+the collapse but slows every frame on free cores.
 So, when the thread count is not set by hand, ``CoreBudget`` measures (from ``/proc/stat``) how
 much CPU time other processes (not this one's own workers) took since the last look, and gives torch the cores left, at
 least one, re-checked about once a second from the thread that runs the model.

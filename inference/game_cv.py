@@ -125,7 +125,9 @@ def compile_in_background(runner, settings: Settings, budget: CoreBudget | None,
     for each thread count the budget may switch between (a graph is built per count)."""
     if settings.compile_background:
         adaptive = budget is not None and budget.adaptive and budget.cores > 1
-        runner.compile_in_background(rows, threads=(1,) if adaptive else (), log=log)
+        if runner.compile_in_background(rows, threads=(1,) if adaptive else (), log=log):
+            log("[owl] compile: the frame call compiles in the background after the first frame (up to about a "
+                "minute on a CPU, less with a warm compile cache); frames run eagerly meanwhile")
 
 
 def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelContext | None = None,

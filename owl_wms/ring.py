@@ -210,6 +210,9 @@ class RingCache:
         whole ring with its additive mask [b, 1, 1, C*tpf] (the bias inside). A history (after a
         reset): its own frames in time order and None (the model applies the frame rule)."""
         ring = self.layers[layer]
+        if k.shape[2] > self.tpf and layer == 0 and bool(self.written.any()):  # eager: histories only
+            raise ValueError("a multi-frame call over the ring writes a new history: reset the rows first "
+                             "(a hard cut or a recompute does)")
         own = ring.write(k, v, self.written)
         if own is not None:
             return own[0], own[1], None

@@ -22,7 +22,7 @@ import time
 from scripts.common import machine
 
 
-def child(seconds: float) -> dict:
+def child(seconds: float, checkpoint: str | None) -> dict:
     import torch
 
     from inference.cores import CoreBudget
@@ -31,7 +31,7 @@ def child(seconds: float) -> dict:
     from owl_wms.engine import CausvidPipeline
     from owl_wms.loading import SHIPPED_WORLD
 
-    world = load_world(SHIPPED_WORLD)
+    world = load_world(checkpoint or SHIPPED_WORLD)
     settings = with_threads(resolve_settings(world.inference))
     budget = CoreBudget(settings.threads)
     pipe = CausvidPipeline.from_checkpoint(world, settings=settings.replace(compile=False, compile_background=True),
@@ -57,23 +57,25 @@ def child(seconds: float) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=120.0, help="longest a start may take to switch")
+    p.add_argument("--checkpoint", default=None, help="another world's checkpoint folder (default: the shipped world)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.seconds)))
-        return
+        print(json.dumps(child(args.seconds, args.checkpoint)), flush=True)
+        os._exit(0)  # the compile of the other thread counts may still run: abandon it, not unwind it
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         env = {k: v for k, v in os.environ.items() if k not in ("OWL_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
         for start in ("cold compile cache", "warm compile cache"):
-            r = subprocess.run([sys.executable, "-m", "scripts.bench_startup", "--child", "--seconds", str(args.seconds)],
+            cmd = [sys.executable, "-m", "scripts.bench_startup", "--child", "--seconds", str(args.seconds)]
+            r = subprocess.run(cmd + (["--checkpoint", args.checkpoint] if args.checkpoint else []),
                                capture_output=True, text=True, env=env)
             if r.returncode:
                 raise SystemExit(f"error: the {start} run failed (exit {r.returncode}): {r.stderr[-800:]}")
             rows.append({"start": start, **json.loads(r.stdout.strip().splitlines()[-1])})
-    print(f"# {machine()}; shipped world, OWL_COMPILE=auto")
+    print(f"# {machine()}; {args.checkpoint or 'the shipped world'}, OWL_COMPILE=auto")
     print(f"{'start':<20} {'first frame s':>14} {'compiled after s':>17} {'FPS compiling':>14} {'FPS compiled':>13}")
     for r in rows:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731

@@ -77,6 +77,17 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
         assert r["aggregate_fps"] == pytest.approx(1000 * r["sessions"] / r["step_ms"]) and r["decoded"]
 
 
+def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path):
+    """From a cold and then a warm compile cache: the first frame, then the compiled call taking
+    over, and the frame rates on both sides of the switch (the tiny world, over the ring)."""
+    bench("bench_startup", "--checkpoint", REPO / "checkpoints" / "untrained-tiny", "--seconds", 200, "--json",
+          tmp_path / "startup.json", env={"OWL_RING_MODE": "inplace"})
+    rows = json.loads((tmp_path / "startup.json").read_text())["rows"]
+    assert [r["start"] for r in rows] == ["cold compile cache", "warm compile cache"]
+    for r in rows:
+        assert 0 < r["first_frame_s"] < r["compiled_after_s"] and r["fps_compiled"] > 0
+
+
 def test_bench_shared_cores_runs_the_command_alone_and_beside_a_busy_process(tmp_path):
     bench("bench_shared_cores", "--frames", 3, "--out", tmp_path / "x.mp4", "--json", tmp_path / "cores.json")
     rows = json.loads((tmp_path / "cores.json").read_text())["rows"]

@@ -34,6 +34,8 @@ class ModelRunner:
         self.frame_call = self.core  # what runs a generated frame's call over the ring
         self.compiled = None  # "whole" (one graph per frame call) or "blocks" (a graph per block half)
         self.background = None  # the thread compiling the frame call while frames run eagerly
+        self.graphs: dict[tuple[int, int], object] = {}  # (batch rows, threads) -> its built compiled call
+        self.frame_calls = 0  # frame calls made (the background compile starts after the first frame)
         # why a frame's call cannot be one graph of the model as written (None: it can)
         self.graph_blocker = self.ring_blocker or ("tensor parallelism all-reduces inside the blocks" if tp is not None
                                                    else None if s.frame_graph else "OWL_FRAME_GRAPH=0")
@@ -60,10 +62,11 @@ class ModelRunner:
 
     def compile_in_background(self, rows: tuple[int, ...] = (1,), threads: tuple[int, ...] = (), log=print) -> bool:
         """Compile the frame call (and the decoder) on a thread of its own while frames run
-        eagerly, then switch to it: each batch size of ``rows`` and each CPU thread count of
-        ``threads`` (the counts the app may switch to; the current one first) is traced and run
-        once on a scratch ring, so the switch finds every graph built. False where a frame call
-        cannot be one graph (the eager or per-block path stays)."""
+        eagerly: once the first frame is made, each CPU thread count (the current one, then those
+        of ``threads``: the counts the app may switch to) and each batch size of ``rows`` is traced
+        and run once on a scratch ring, and a call whose batch size and thread count have their
+        graph built runs it from then on (the others stay eager: never a compile on the frames'
+        thread). False where a frame call cannot be one graph (the eager or per-block path stays)."""
         if self.graph_blocker is not None or self.compiled is not None or self.background is not None:
             return False
         import threading
@@ -79,6 +82,8 @@ class ModelRunner:
         import time
 
         start = time.perf_counter()
+        while self.frame_calls < 2 and time.perf_counter() - start < 30:
+            time.sleep(0.02)  # the first frame first: it comes as fast as without a compile
         try:
             call = self._compiled_frame_call()
             decode = self.decoder.compiled_decode(self._wrapper()) if self.decoder is not None else None
@@ -91,13 +96,16 @@ class ModelRunner:
                                     dtype=self.dtype)
                     t = torch.ones(n, 1, device=self.device, dtype=self.dtype)
                     call(x, t, x.new_zeros(n, 1, 2), x.new_zeros(n, 1, cfg.n_buttons), kv_cache=scratch)
-                    if decode is not None:
+                    if decode is not None and threads == counts[0]:
                         decode(torch.zeros(n, cfg.channels, cfg.sample_size, cfg.sample_size, device=self.device))
-            self.frame_call, self.compiled = call, "whole"
-            if decode is not None:
-                self.decoder.use_decode(decode)
-            log(f"[owl] compile: the compiled frame call took over after {time.perf_counter() - start:.0f} s "
-                f"(batch sizes {', '.join(map(str, rows))}; threads {', '.join(map(str, counts))})")
+                    self.graphs[(n, threads)] = call
+                if threads == counts[0]:
+                    self.compiled = "whole"
+                    if decode is not None:
+                        self.decoder.use_decode(decode)
+                    log(f"[owl] compile: the compiled frame call took over after {time.perf_counter() - start:.0f} s "
+                        f"(batch sizes {', '.join(map(str, rows))}; {threads} threads"
+                        + (f"; {', '.join(map(str, counts[1:]))} threads follow)" if counts[1:] else ")"))
         except Exception as exc:  # noqa: BLE001 - frames go on eagerly; say why once
             log(f"[owl] compile: frames stay eager ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
 
@@ -124,8 +132,11 @@ class ModelRunner:
             cache.enable_cache_updates()
         if cache.on_device and x.shape[1] == 1:  # a frame: the graph of the model as written
             cache.set_bias(bias)
+            self.frame_calls += 1
+            call = self.graphs.get((x.shape[0], torch.get_num_threads()), self.frame_call) if self.graphs else \
+                self.frame_call
             try:
-                return self.frame_call(x, t, mouse, buttons, kv_cache=cache)
+                return call(x, t, mouse, buttons, kv_cache=cache)
             finally:
                 cache.disable_cache_updates()
         try:
@@ -145,8 +156,8 @@ class ModelRunner:
 
     def describe(self) -> str:
         if self.settings.compile_background and self.graph_blocker is None and self.compiled is None:
-            return ("[owl] compile: auto: the first frames run eagerly while the frame call compiles in the background; "
-                    "then each frame call is one graph (OWL_COMPILE=0: eager; 1: compile before the first frame)")
+            return ("[owl] compile: auto: frames run eagerly; where compiling pays (the window, long rollouts) the frame "
+                    "call compiles in the background and takes over (OWL_COMPILE=0: never; 1: before the first frame)")
         if self.settings.compile_background and self.graph_blocker is not None:
             return f"[owl] compile: auto: frames run eagerly (no one-graph frame call: {self.graph_blocker})"
         if self.compiled == "whole":
