@@ -220,7 +220,7 @@ def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
         sessions, pipes = build(args)
         total = sum(sum(not is_event(x) for x in items) for items in scripts)
         require_space([est for i, items in enumerate(scripts) for est in output_estimates(
-            argparse_like(args, i), pipes[i].frame_shape, sum(not is_event(x) for x in items), False)])
+            session_args(args, i), pipes[i].frame_shape, sum(not is_event(x) for x in items), False)])
         queues = [iter(items) for items in scripts]
         with StopOnSigint() as stop:
             start = time.perf_counter()
@@ -278,7 +278,7 @@ def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
     return 130 if interrupted else 0
 
 
-def argparse_like(args, i: int):
+def session_args(args, i: int):
     """``args`` with session i's output paths (what output_estimates reads)."""
     import copy
 
