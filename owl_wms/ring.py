@@ -44,7 +44,7 @@ def ring_blocker(plans: list[LayerPlan] | None, ring_mode: str, guard: int) -> s
 
 class RingTensor:
     """K or V of one layer: stored frames, their scales (quantized codecs) and, for a quantized
-    codec, the decoded ring attention reads."""
+    codec, the decoded ring attention reads, kept decoded slot by slot as frames are written."""
 
     def __init__(self, codec: Codec, policy: ScalePolicy, shape: tuple, dtype: torch.dtype, device, tensors=None):
         self.codec, self.policy, self.dtype = codec, policy, dtype
@@ -83,17 +83,26 @@ class RingTensor:
         return out
 
     def put(self, rows: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None):
-        """Stored frames ``q`` [b, h, n, ...] into ``slots`` [b, n] of ``rows`` [b, 1]."""
+        """Stored frames ``q`` [b, h, n, ...] into ``slots`` [b, n] of ``rows`` [b, 1]; a quantized
+        ring's decoded copy takes their decoded values in the same slots (each slot is decoded
+        once, when written, not at every read)."""
         self.data[rows, :, slots] = q.transpose(1, 2)
         if scale is not None:
             self.scale[rows, :, slots] = scale.transpose(1, 2)
+            self._slots_of_work()[rows, :, slots] = self.decode(q, scale).transpose(1, 2)
+
+    def _slots_of_work(self) -> torch.Tensor:
+        """The decoded ring [rows, h, C, tpf, dh] (a view of ``work``)."""
+        return self.work.view(*self.data.shape[:-1], -1)
+
+    def redecode(self) -> None:
+        """The decoded copy made again from the stored frames (after they were loaded)."""
+        if self.quantized:
+            self.decode(self.data, self.scale, self._slots_of_work())
 
     def ring(self) -> torch.Tensor:
         """The whole ring as attention reads it: [rows, h, C * tpf, dh]."""
-        if not self.quantized:
-            return self.data.flatten(2, 3)
-        self.decode(self.data, self.scale, self.work.view(*self.data.shape[:-1], -1))
-        return self.work
+        return self.work if self.quantized else self.data.flatten(2, 3)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
@@ -292,4 +301,7 @@ class RingCache:
                              "(saved with other settings)")
         for name, dst in self.state_dict()[0].items():
             load_tensor(dst, tensors, name)
+        for layer in self.layers:
+            for ring in (layer.k, layer.v):
+                ring.redecode()
         self._masks.clear()
