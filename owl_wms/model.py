@@ -172,12 +172,12 @@ class DiTBlock(nn.Module):
             q = self._pre_q(x, cond, *rope)
             k, v, mask = kv_cache.attend_window(self.attn.layer)
         elif kv_cache is not None and kv_cache.on_device:
-            # The ring's mask carries the bias of each row (a tensor: no host value in the call).
+            # A frame's ring mask carries each row's bias (a tensor: no host value in the call); a
+            # history's keys come in time order and take the rule and the bias below.
             q, k, v = self._pre(x, cond, *rope)
-            k, v, mask = kv_cache.attend_window(self.attn.layer, k, v, bias if torch.is_tensor(bias) else None)
+            k, v, mask = kv_cache.attend_window(self.attn.layer, k, v)
             if mask is not None:
                 return self._post(x, cond, q, k, v, mask, None, "ring")
-            bias = 0.0 if torch.is_tensor(bias) else bias
         else:
             q, k, v = self._pre(x, cond, *rope)
             k, v, mask = self.attn.with_cache(k, v, kv_cache)

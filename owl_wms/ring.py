@@ -82,14 +82,16 @@ class RingTensor:
             scaled_decode([(q, scale, out)])
         return out
 
-    def put(self, rows: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None):
+    def put(self, rows: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None,
+            decoded: torch.Tensor | None = None):
         """Stored frames ``q`` [b, h, n, ...] into ``slots`` [b, n] of ``rows`` [b, 1]; a quantized
-        ring's decoded copy takes their decoded values in the same slots (each slot is decoded
-        once, when written, not at every read)."""
+        ring's decoded copy takes their decoded values (``decoded`` where the caller has them) in
+        the same slots: each slot is decoded once, when written, not at every read."""
         self.data[rows, :, slots] = q.transpose(1, 2)
         if scale is not None:
             self.scale[rows, :, slots] = scale.transpose(1, 2)
-            self._slots_of_work()[rows, :, slots] = self.decode(q, scale).transpose(1, 2)
+            decoded = self.decode(q, scale) if decoded is None else decoded
+            self._slots_of_work()[rows, :, slots] = decoded.transpose(1, 2)
 
     def _slots_of_work(self) -> torch.Tensor:
         """The decoded ring [rows, h, C, tpf, dh] (a view of ``work``)."""
@@ -136,11 +138,12 @@ class RingLayer:
         m = min(n, self.capacity)
         slots = torch.remainder(written[:, None] + (n - m) + torch.arange(m, device=k.device), self.capacity)
         rows = torch.arange(b, device=k.device)[:, None]
-        for ring, (q, scale) in zip((self.k, self.v), stored):
-            ring.put(rows, slots, q[:, :, n - m:], None if scale is None else scale[:, :, n - m:])
-        if n == 1:
-            return None
-        return [ring.decode(q, scale).flatten(2, 3) for ring, (q, scale) in zip((self.k, self.v), stored)]
+        # a history's frames are decoded once: attention reads them, the ring keeps the last C
+        decoded = [None, None] if n == 1 else [ring.decode(q, scale) for ring, (q, scale) in zip((self.k, self.v), stored)]
+        for ring, (q, scale), d in zip((self.k, self.v), stored, decoded):
+            ring.put(rows, slots, q[:, :, n - m:], None if scale is None else scale[:, :, n - m:],
+                     None if d is None else d[:, :, n - m:])
+        return None if n == 1 else [d.flatten(2, 3) for d in decoded]
 
     def ring(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.ring(), self.v.ring()
@@ -190,13 +193,13 @@ class RingCache:
     def n_rows(self) -> int:
         return self.written.shape[0]
 
-    def rows(self, start: int, stop: int) -> "RingCache":
-        """Rows start..stop-1 as a cache of their own (views: writes land here). The same object
+    def rows(self, first: int, end: int) -> "RingCache":
+        """Rows first..end-1 as a cache of their own (views: writes land here). The same object
         for the same rows, so a compiled model sees one cache per batch size."""
-        view = self._views.get((start, stop))
+        view = self._views.get((first, end))
         if view is None:
-            index = slice(start, stop)
-            view = self._views[(start, stop)] = RingCache(
+            index = slice(first, end)
+            view = self._views[(first, end)] = RingCache(
                 self.config, self.plans, dtype=self.dtype, device=self.device,
                 layers=[layer.rows(index) for layer in self.layers],
                 state=(self.written[index], self.commit[index], self.bias[index], self.epoch[index], self.slots))
@@ -214,10 +217,11 @@ class RingCache:
         """[rows] absolute index of each row's next frame: its RoPE position."""
         return self.written
 
-    def attend_window(self, layer: int, k, v, bias=None):
+    def attend_window(self, layer: int, k, v):
         """This call's K/V [b, h, n*tpf, dh] into layer ``layer``'s ring. One frame a row: the
-        whole ring with its additive mask [b, 1, 1, C*tpf] (the bias inside). A history (after a
-        reset): its own frames in time order and None (the model applies the frame rule)."""
+        whole ring with its additive mask [b, 1, 1, C*tpf] (the rows' ``bias`` inside). A history
+        (after a reset): its own frames in time order and None (the model applies the frame rule
+        and the call's bias)."""
         ring = self.layers[layer]
         if k.shape[2] > self.tpf and layer == 0 and bool(self.written.any()):  # eager: histories only
             raise ValueError("a multi-frame call over the ring writes a new history: reset the rows first "
@@ -225,11 +229,10 @@ class RingCache:
         own = ring.write(k, v, self.written)
         if own is not None:
             return own[0], own[1], None
-        bias = self.bias if bias is None else bias
         key = (ring.capacity, ring.window)
         mask = None if torch.compiler.is_compiling() else self._masks.get(key)
         if mask is None:
-            mask = ring.mask(self.written, bias, self.slots[ring.capacity])
+            mask = ring.mask(self.written, self.bias, self.slots[ring.capacity])
             if not torch.compiler.is_compiling():
                 self._masks[key] = mask
         keys, values = ring.ring()

@@ -29,8 +29,8 @@ def actions(seed: int, frames: int):
 
 
 def events(pipe, i: int, f: int):
-    """Session 1 cuts to a new history at frame 5; session 2 turns on soft forgetting at frame 3
-    and a recompute falls due every 4 frames in every session."""
+    """The second session cuts to a new history at frame 5, the third turns on soft forgetting
+    at frame 3, and a recompute falls due every 4 frames in each."""
     if i == 1 and f == 5:
         pipe.hard_cut(*history(pipe.cfg, seed=50))
     if i == 2 and f == 3:
@@ -82,13 +82,14 @@ def test_each_session_in_a_batch_makes_its_frames_alone(storage):
     frames, pipes = batched(cfg, model, settings, 3, 16)
     for i in range(3):
         assert (frames[i] - alone(cfg, model, settings, i, 16)).abs().max() <= TOLERANCE[storage]
-    assert [p.cache_epoch for p in pipes] == [1, 2, 1]  # the cut was session 1's alone
+    assert [p.cache_epoch for p in pipes] == [1, 2, 1]  # the cut was the second session's alone
     assert [p.kv_cache_attention_bias for p in pipes] == [0.0, 0.0, -1.0]
 
 
 def test_one_sessions_events_leave_the_others_frames_bit_for_bit():
-    """A hard cut, a bias change and recomputes in sessions 1 and 2 change nothing in session 0:
-    its frames are identical bit for bit to a run of the same batch without those events."""
+    """A hard cut, a bias change and recomputes in the second and third sessions change nothing
+    in the first: its frames are identical bit for bit to a run of the same batch without those
+    events."""
     cfg = tiny_config()
     model = random_model(cfg)
     settings = fp32_settings(kv=RING["int8"], kv_recompute_every=4)

@@ -133,8 +133,7 @@ class ModelRunner:
         if cache.on_device and x.shape[1] == 1:  # a frame: the graph of the model as written
             cache.set_bias(bias)
             self.frame_calls += 1
-            call = self.graphs.get((x.shape[0], torch.get_num_threads()), self.frame_call) if self.graphs else \
-                self.frame_call
+            call = self.graphs.get((x.shape[0], torch.get_num_threads()), self.frame_call)
             try:
                 return call(x, t, mouse, buttons, kv_cache=cache)
             finally:
