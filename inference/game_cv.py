@@ -15,6 +15,9 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
     from inference.signals import quit_during_startup
 
     quit_during_startup()
+    from inference.cores import same_numbers_at_any_thread_count
+
+    same_numbers_at_any_thread_count()
     if not {"-h", "--help"} & set(sys.argv):
         print("[owl] starting ...", flush=True)
 
@@ -175,7 +178,8 @@ def build_sessions(args, world: WorldConfig, settings: Settings, budget: CoreBud
 def launch_tp(args, settings: Settings) -> ParallelContext | None:
     if args.tp == 1:
         return None
-    return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every)
+    return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every,
+                                   settings.tp_reduce)
 
 
 def run_play(args, world: WorldConfig, settings: Settings, budget: CoreBudget | None = None) -> int:

@@ -2,10 +2,20 @@
 
 Megatron-style sharding built on torch.distributed collectives. Rank r keeps the q/k/v rows
 of its heads (the qkv weight is laid out (three, heads, dh), so a contiguous split would cut
-across q/k/v - we slice per head instead), the matching input columns of the attention
-output, and a slice of the MLP's hidden units; the two row-parallel projections all-reduce
-their partial sums. Each rank's KV cache holds only its heads. Everything else (embeddings,
-AdaLN, the final layer) is replicated and computed identically everywhere.
+across q/k/v - we slice per head instead) and a slice of the MLP's hidden units. The two
+projections that take sharded inputs (the attention output and the MLP's second layer) come in
+two kinds (the tp_reduce setting):
+
+    exact  all-gather the input, compute this rank's slice of the output over the whole input,
+           all-gather the output: every value is the single process's to the bit (a matmul's
+           output columns do not depend on which others are computed), so a quantized cache
+           stores the same codes and TP frames are the single-process frames
+    sum    Megatron's row-parallel layer: all-reduce partial sums over input slices (one
+           collective instead of two; the sum's order differs from one matmul's, so values move
+           by rounding, and a quantized cache can store a neighbouring code)
+
+Each rank's KV cache holds only its heads. Everything else (embeddings, AdaLN, the final layer)
+is replicated and computed identically everywhere.
 
 Launch: ``torchrun --nproc-per-node N -m inference.game_cv --headless --tp N``. gloo on CPU,
 NCCL on GPU. Rank 0 plans every step and broadcasts it (an ``owl_wms.engine.lifecycle.StepPlan``:
@@ -65,6 +75,20 @@ class RowParallelLinear(nn.Module):
         return self.comm.all_reduce(F.linear(x, self.weight)) + self.bias
 
 
+class GatherParallelLinear(nn.Module):
+    """y = all_gather(all_gather(x_shard) @ W_rows^T + b_rows): this rank computes its slice of
+    the output features over the whole input, bit for bit the single process's."""
+
+    def __init__(self, linear: nn.Linear, rows: slice, comm: "ParallelContext"):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+        self.comm = comm
+
+    def forward(self, x):
+        return self.comm.all_gather(F.linear(self.comm.all_gather(x), self.weight, self.bias))
+
+
 def _rows(linear: nn.Linear, rows) -> nn.Linear:
     out = nn.Linear(linear.in_features, len(rows), bias=True)
     out.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
@@ -75,8 +99,12 @@ def _rows(linear: nn.Linear, rows) -> nn.Linear:
 class ParallelContext:
     """This process's place in a tensor-parallel group, and every collective the model uses."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float, check_every: int, reduce_fp32: bool = True):
+    def __init__(self, rank: int, world: int, timeout_s: float, check_every: int, reduce_fp32: bool = True,
+                 reduce: str = "exact"):
+        if reduce not in ("exact", "sum"):
+            raise ValueError(f"tp_reduce {reduce!r} is not one of exact, sum")
         self.rank, self.world, self.timeout_s, self.check_every = rank, world, timeout_s, check_every
+        self.reduce = reduce  # how sharded inputs are combined (module docstring)
         # gloo reduces bf16 element by element (measured 1.7 ms vs 0.7 ms in fp32 for a 64x256
         # activation on this CPU); fp32 also rounds the sum of partials once. NCCL keeps bf16.
         self.reduce_fp32 = reduce_fp32
@@ -90,7 +118,8 @@ class ParallelContext:
         return self.rank == 0
 
     @classmethod
-    def launch(cls, tp: int, device: str, timeout_s: float, check_every: int) -> "ParallelContext":
+    def launch(cls, tp: int, device: str, timeout_s: float, check_every: int,
+               reduce: str = "exact") -> "ParallelContext":
         """Join the process group torchrun set up; its size must be ``tp``."""
         if dist.is_initialized():
             raise TPError("torch.distributed is already initialised in this process")
@@ -107,7 +136,7 @@ class ParallelContext:
             raise TPError(f"--tp {tp} but torchrun started {world} processes; use --nproc-per-node {tp}")
         if device.startswith("cuda"):
             torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        return cls(dist.get_rank(), world, timeout_s, check_every, reduce_fp32=backend == "gloo")
+        return cls(dist.get_rank(), world, timeout_s, check_every, reduce_fp32=backend == "gloo", reduce=reduce)
 
     # -- sharding ------------------------------------------------------------------------------
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -134,14 +163,24 @@ class ParallelContext:
                     + torch.arange(dh)[None, None, :]).flatten()  # (three, my heads, dh)
             attn.qkv = _rows(attn.qkv, rows)
             attn.n_heads = hl
-            attn.out = RowParallelLinear(attn.out, slice(r * hl * dh, (r + 1) * hl * dh), self)
+            attn.out = self._sharded_input(attn.out, r * hl * dh, (r + 1) * hl * dh)
             hidden = mlp.fc1.out_features
             if hidden % n:
                 raise TPError(f"--tp {n}: the MLP's {hidden} hidden units do not split evenly")
             part = slice(r * hidden // n, (r + 1) * hidden // n)
             mlp.fc1 = _rows(mlp.fc1, torch.arange(hidden)[part])
-            mlp.fc2 = RowParallelLinear(mlp.fc2, part, self)
+            mlp.fc2 = self._sharded_input(mlp.fc2, part.start, part.stop)
         return model
+
+    def _sharded_input(self, linear: nn.Linear, start: int, stop: int) -> nn.Module:
+        """``linear`` for an input whose features start..stop-1 live on this rank."""
+        if self.reduce == "sum":
+            return RowParallelLinear(linear, slice(start, stop), self)
+        out = linear.out_features
+        if out % self.world:
+            raise TPError(f"--tp {self.world}: a projection's {out} outputs do not split evenly; use tp_reduce=sum")
+        return GatherParallelLinear(linear, slice(self.rank * out // self.world, (self.rank + 1) * out // self.world),
+                                    self)
 
     # -- collectives ---------------------------------------------------------------------------
     @torch.compiler.disable
@@ -153,6 +192,15 @@ class ParallelContext:
             return y.to(x.dtype)
         dist.all_reduce(x)
         return x
+
+    @torch.compiler.disable
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` side by side along the last dim, in rank order."""
+        self.collectives += 1
+        y = x.float() if self.reduce_fp32 and x.dtype != torch.float32 else x.contiguous()  # lossless
+        parts = [torch.empty_like(y) for _ in range(self.world)]
+        dist.all_gather(parts, y)
+        return torch.cat(parts, dim=-1).to(x.dtype)
 
     def agree(self, digest: dict) -> None:
         """Start-up tripwire: every rank's settings, config and weights digest must match rank 0's."""

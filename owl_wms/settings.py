@@ -176,6 +176,9 @@ OPTIONS: tuple[Option, ...] = (
          "tensor parallel: compare every rank's lifecycle scalars every N frames"),
     Option("tp_timeout_s", _float(1, 3600), 60.0,
          "tensor parallel: seconds a collective may wait before every rank fails"),
+    Option("tp_reduce", _choice("exact", "sum"), "exact",
+         "tensor parallel: exact (all-gathers: the single process's numbers to the bit) or sum "
+         "(all-reduce of partial sums: one collective fewer, rounding-level differences)"),
     Option("profile_kv", _bool, False, "print per-frame timings and memory"),
     Option("profile_kv_first", _int(0), 3, "profile lines for the first N frames"),
     Option("profile_kv_every", _int(1), 30, "then one profile line every N frames"),
@@ -308,6 +311,7 @@ class Settings:
     kv_cache_attention_bias: float = 0.0
     tp_check_every: int = 16
     tp_timeout_s: float = 60.0
+    tp_reduce: str = "exact"
     kv: KVSettings = KVSettings()
 
     @classmethod
@@ -358,6 +362,7 @@ class Settings:
                    kv_recompute_every=v["kv_recompute_every"], kv_recompute_anchor=v["kv_recompute_anchor"],
                    kv_cache_attention_bias=float(v["kv_cache_attention_bias"]),
                    tp_check_every=v["tp_check_every"], tp_timeout_s=float(v["tp_timeout_s"]),
+                   tp_reduce=v["tp_reduce"],
                    kv=KVSettings.resolve(v, source, name, v["kv_cache"]))
 
     @property

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
 import sys
 import time
 
 from inference.flags import physical_cores
+from scripts.common import headless_fps
 from scripts.common import machine
 
 NEIGHBOUR = """
@@ -28,20 +27,6 @@ end = time.time() + {seconds}
 while time.time() < end:
     a = torch.tanh(a @ a * 0.01)
 """
-
-
-# What a user's shell would not set: the thread choices are the command's own.
-UNSET = ("OWL_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
-
-
-def run_game(frames: int, out: str, env: dict) -> float:
-    cmd = [sys.executable, "-m", "inference.game_cv", "--headless", "--frames", str(frames), "--out", out]
-    base = {k: v for k, v in os.environ.items() if k not in UNSET}
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**base, **env})
-    m = re.search(r"pipeline ([\d.]+) FPS \(([\d.]+) after", r.stdout)
-    if r.returncode or m is None:
-        raise SystemExit(f"error: {' '.join(cmd)} failed (exit {r.returncode}): {(r.stdout + r.stderr)[-800:]}")
-    return float(m.group(2))
 
 
 def main(argv=None):
@@ -54,13 +39,13 @@ def main(argv=None):
         raise SystemExit(f"error: --frames {args.frames}: at least 2 (the rate is taken after the first frame)")
     cores = physical_cores()
     print(f"# {machine()}; {cores} physical cores; {args.frames} frames of the shipped world")
-    rows = [{"run": "free machine", "fps": run_game(args.frames, args.out, {})}]
+    rows = [{"run": "free machine", "fps": headless_fps(args.frames, args.out, {})}]
     for name, env in (("busy neighbour, threads follow free cores", {}),
                       (f"busy neighbour, OWL_THREADS={cores} (fixed)", {"OWL_THREADS": str(cores)})):
         neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR.format(seconds=600)])
         try:
             time.sleep(2)  # the neighbour is busy before the game starts
-            rows.append({"run": name, "fps": run_game(args.frames, args.out, env)})
+            rows.append({"run": name, "fps": headless_fps(args.frames, args.out, env)})
         finally:
             neighbour.kill()
             neighbour.wait()

@@ -4,10 +4,12 @@
 
 Rows, each in its own process(es), measured in one run on the machine named:
   * the shipped world (denoise + rank-0 decode), bf16: TP 1 with all threads, TP 1 with one
-    thread, TP 2 under torchrun (one thread per rank, gloo on CPU / NCCL on GPU);
+    thread, TP 2 under torchrun (one thread per rank, gloo on CPU / NCCL on GPU), with each
+    tp_reduce (exact: all-gathers; sum: all-reduce of partial sums);
   * the production-size GameRFT (random weights, window --prod-window), denoise only;
-  * frames of the shipped world in fp32, TP 2 vs TP 1: max abs difference on decoded uint8 frames.
-Communication = the all-reduces inside the model plus the per-step envelope broadcast, vote and
+  * frames of the shipped world (its int8 cache) in fp32, TP 2 vs TP 1, each tp_reduce: max abs
+    difference on decoded uint8 frames.
+Communication = the collectives inside the model plus the per-step envelope broadcast, vote and
 lifecycle check, timed on rank 0 by wrapping the live ParallelContext's methods (outside the model).
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def worker(args) -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
-    tp = ParallelContext.launch(args.tp, "cpu", 120.0, 16) if args.tp > 1 else None
+    tp = ParallelContext.launch(args.tp, "cpu", 120.0, 16, args.reduce) if args.tp > 1 else None
     base = resolve_settings(None, {"OWL_DEVICE": args.device})
     if args.model == "production":
         settings = base.replace(dtype=dtype)
@@ -95,7 +97,7 @@ def worker(args) -> None:
         return
     totals = {"comm": 0.0}
     if tp is not None:
-        timed_methods(tp, ("all_reduce", "exchange", "vote", "check_scalars"), totals)
+        timed_methods(tp, ("all_reduce", "all_gather", "exchange", "vote", "check_scalars"), totals)
     sync = synchronizer(args.device)
     for _ in range(args.warmup):
         step()
@@ -153,6 +155,7 @@ def main(argv=None):
     p.add_argument("--model", default="shipped", choices=["shipped", "production"], help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reduce", default="exact", choices=["exact", "sum"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -167,10 +170,12 @@ def main(argv=None):
             "--prod-window", str(args.prod_window), "--device", args.device]
     runs = [("shipped, TP 1, all threads", 1, "ship_tp1", shipped, None),
             ("shipped, TP 1, 1 thread", 1, "ship_tp1_1t", shipped, 1),
-            ("shipped, TP 2 (1 thread per rank)", 2, "ship_tp2", shipped, None)]
+            ("shipped, TP 2 exact (1 thread per rank)", 2, "ship_tp2", shipped, None),
+            ("shipped, TP 2 sum (1 thread per rank)", 2, "ship_tp2_sum", [*shipped, "--reduce", "sum"], None)]
     if not args.skip_prod:
         runs += [("production-size, TP 1, all threads", 1, "prod_tp1", prod, None),
-                 ("production-size, TP 2 (1 thread per rank)", 2, "prod_tp2", prod, None)]
+                 ("production-size, TP 2 exact (1 thread per rank)", 2, "prod_tp2", prod, None),
+                 ("production-size, TP 2 sum (1 thread per rank)", 2, "prod_tp2_sum", [*prod, "--reduce", "sum"], None)]
     rows = []
     for label, tp, name, extra, threads in runs:
         print(f"running {label} ...", flush=True)
@@ -178,13 +183,15 @@ def main(argv=None):
     # exactness: fp32 frames, TP 2 vs TP 1
     fp32 = ["--frames", str(args.exact_frames), "--warmup", "0", "--dtype", "fp32", "--device", args.device]
     launch(1, out, "exact_tp1", fp32)
-    launch(2, out, "exact_tp2", fp32)
-    a, b = (np.load(out / f"exact_tp{n}.npy").astype(int) for n in (1, 2))
-    diff = int(np.abs(a - b).max())
+    a = np.load(out / "exact_tp1.npy").astype(int)
+    exact = {}
+    for reduce in ("exact", "sum"):
+        launch(2, out, f"exact_tp2_{reduce}", [*fp32, "--reduce", reduce])
+        b = np.load(out / f"exact_tp2_{reduce}.npy").astype(int)
+        exact[reduce] = {"max_abs_diff_uint8": int(np.abs(a - b).max()), "values_differing": float((a != b).mean())}
     report = {"command": "python -m scripts.bench_tp " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__, "machine": rows[0]["machine"], "cpu_count": cores, "rows": rows,
-              "fp32_frames": int(a.shape[0]), "fp32_max_abs_diff_uint8": diff,
-              "fp32_pixels_differing": float((a != b).mean())}
+              "fp32_frames": int(a.shape[0]), "fp32_tp2_vs_tp1": exact}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     lines = [f"# Tensor parallel timings\n", f"`{report['command']}` on {report['machine']} "
              f"({cores} cores), torch {torch.__version__}. Median per frame after warm-up.\n",
@@ -192,8 +199,9 @@ def main(argv=None):
     for r in rows:
         lines.append(f"| {r['config']} | {r['median_ms']:.1f} | {r['fps']:.2f} | {r['comm_ms']:.1f} | "
                      f"{100 * r['comm_share']:.0f}% | {r['threads_per_rank']} |")
-    lines.append(f"\nfp32, {a.shape[0]} frames of the shipped world: TP 2 vs TP 1 max |diff| = {diff}/255 "
-                 f"({100 * report['fp32_pixels_differing']:.2f}% of values differ).")
+    for reduce, d in exact.items():
+        lines.append(f"\nfp32, {a.shape[0]} frames of the shipped world, tp_reduce={reduce}: TP 2 vs TP 1 max |diff| = "
+                     f"{d['max_abs_diff_uint8']}/255 ({100 * d['values_differing']:.2f}% of values differ).")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -3,11 +3,18 @@ shipped world's depth. Scripts import this module, never each other."""
 from __future__ import annotations
 
 import gc
+import os
 import platform
+import re
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
-import torch
+from inference.cores import same_numbers_at_any_thread_count
+
+same_numbers_at_any_thread_count()  # as the apps run, before torch's first matmul
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = REPO / "configs" / "kv_presets.yaml"
@@ -98,3 +105,19 @@ def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool
         del pipe
         gc.collect()
     return rows
+
+
+# What a user's shell would not set: the thread choices are the command's own.
+THREAD_FLAGS = ("OWL_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+
+
+def headless_fps(frames: int, out: str, env: dict) -> float:
+    """The README's headless command's pipeline FPS after the first frame, with ``env`` on top of
+    this shell's (less its thread choices)."""
+    cmd = [sys.executable, "-m", "inference.game_cv", "--headless", "--frames", str(frames), "--out", out]
+    base = {k: v for k, v in os.environ.items() if k not in THREAD_FLAGS}
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**base, **env})
+    m = re.search(r"pipeline ([\d.]+) FPS \(([\d.]+) after", r.stdout)
+    if r.returncode or m is None:
+        raise SystemExit(f"error: {' '.join(cmd)} failed (exit {r.returncode}): {(r.stdout + r.stderr)[-800:]}")
+    return float(m.group(2))

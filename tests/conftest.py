@@ -10,6 +10,7 @@ import pytest
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 TEST_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # as the apps: float32 matmuls give the same bits at any thread count
 import torch  # noqa: E402
 from safetensors import safe_open
 from safetensors.torch import load_file

@@ -40,11 +40,12 @@ def test_bench_tp_times_tp1_and_tp2_and_compares_their_frames(tmp_path):
     out = bench("bench_tp", "--skip-prod", "--frames", 2, "--warmup", 1, "--exact-frames", 2, "--out", "tp",
                 cwd=tmp_path)
     report = json.loads((tmp_path / "tp" / "report.json").read_text())
-    assert [r["tp"] for r in report["rows"]] == [1, 1, 2]
+    assert [r["tp"] for r in report["rows"]] == [1, 1, 2, 2]
     assert all(r["median_ms"] > 0 and 0 <= r["comm_share"] < 1 for r in report["rows"])
-    assert report["rows"][2]["comm_ms"] > 0  # TP 2 communicates; TP 1 has nothing to time
-    assert report["fp32_frames"] == 2 and report["fp32_max_abs_diff_uint8"] <= 2
-    assert "| shipped, TP 2 (1 thread per rank) |" in out and (tmp_path / "tp" / "report.md").exists()
+    assert report["rows"][2]["comm_ms"] > 0 and report["rows"][3]["comm_ms"] > 0  # TP 1 has nothing to time
+    assert report["fp32_frames"] == 2 and report["fp32_tp2_vs_tp1"]["exact"]["max_abs_diff_uint8"] == 0
+    assert report["fp32_tp2_vs_tp1"]["sum"]["max_abs_diff_uint8"] <= 8
+    assert "| shipped, TP 2 exact (1 thread per rank) |" in out and (tmp_path / "tp" / "report.md").exists()
 
 
 def test_bench_train_times_eager_compiled_and_dense_steps(tmp_path):
@@ -93,6 +94,14 @@ def test_bench_shared_cores_runs_the_command_alone_and_beside_a_busy_process(tmp
     rows = json.loads((tmp_path / "cores.json").read_text())["rows"]
     assert [r["run"].split(",")[0] for r in rows] == ["free machine", "busy neighbour", "busy neighbour"]
     assert rows[0]["ratio"] == 1.0 and all(r["fps"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+def test_bench_reproducible_matmul_times_strict_and_default_mkl_in_turns(tmp_path):
+    bench("bench_reproducible_matmul", "--frames", 3, "--rounds", 1, "--out", tmp_path / "x.mp4",
+          "--json", tmp_path / "cbwr.json")
+    rows = json.loads((tmp_path / "cbwr.json").read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["fp32", "bf16"]
+    assert all(r["strict_fps"] > 0 and r["default_fps"] > 0 and r["ratio"] > 0 for r in rows)
 
 
 @pytest.mark.skipif(not shutil.which("Xvfb"), reason="needs Xvfb (Debian package xvfb)")

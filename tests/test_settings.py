@@ -28,7 +28,7 @@ def test_sdpa_decode_alias():
 
 @pytest.mark.parametrize("flag,value", [("OWL_DTYPE", "fp64"), ("OWL_SEED", "-1"), ("OWL_COMPILE", "maybe"),
                                         ("OWL_ATTN_BACKEND", "xformers"), ("OWL_PROFILE_KV_EVERY", "0"),
-                                        ("OWL_DEVICE", "tpu")])
+                                        ("OWL_DEVICE", "tpu"), ("OWL_TP_REDUCE", "mean")])
 def test_malformed_values_name_flag_value_and_accepted(flag, value):
     with pytest.raises(SettingsError) as err:
         resolve_settings({}, environ={flag: value})
