@@ -127,6 +127,10 @@ class FrameResult:
     mouse: list
     buttons: list
     epoch: int = 0  # the cache epoch the frame was made in (a hard cut starts a new one)
+    # the session as the frame left it, read on the worker's thread (the UI never reads the pipeline)
+    bias: float = 0.0
+    ground_truth: bool = False
+    kv_bytes: int = 0
 
 
 class Worker(threading.Thread):
@@ -146,6 +150,7 @@ class Worker(threading.Thread):
         self.commands: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue(maxsize=2)
         self.paused, self.finished = False, False
+        self.clip_count = 0  # the world's clips, counted on the worker's thread at start
         self._step = threading.Event()
         self._halt = threading.Event()
         self.error: BaseException | None = None
@@ -186,6 +191,7 @@ class Worker(threading.Thread):
             if self.pipe is None:
                 self.pipe = self._factory()
             self.pipe.frame_shape  # decoded once here, so the UI thread never runs torch
+            self.clip_count = len(self.pipe.replay.paths)
             self.ready.set()
             while not self._halt.is_set():
                 while not self.commands.empty():
@@ -210,7 +216,8 @@ class Worker(threading.Thread):
                     print(warning, file=sys.stderr, flush=True)
                 self.frames += 1
                 self._emit(FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls,
-                                       epoch=self.pipe.cache_epoch))
+                                       epoch=self.pipe.cache_epoch, bias=self.pipe.kv_cache_attention_bias,
+                                       ground_truth=self.pipe.ground_truth, kv_bytes=self.pipe.kv_bytes))
         except BaseException as exc:  # surfaced by the event loop
             self.error = exc
 
@@ -263,6 +270,7 @@ class Game:
         self.screenshots: list[Path] = []
         self.frame: np.ndarray | None = None
         self.last: FrameResult | None = None
+        self.bias_asked: float | None = None  # a bias change sent to the worker, not yet in a frame
         self.frames_shown = 0
         self.draw_ms = collections.deque(maxlen=30)
         self.pipe_ms = collections.deque(maxlen=30)
@@ -307,14 +315,17 @@ class Game:
         elif name == "step":
             w.step_once()
         elif name == "ground_truth":
-            w.commands.put({"event": "ground_truth", "on": not self.pipe.ground_truth})
+            w.commands.put({"event": "ground_truth", "on": not (self.last is not None and self.last.ground_truth)})
         elif name in ("restart", "snapshot", "restore"):
             w.commands.put({"event": name})
         elif name in ("bias_down", "bias_up"):
-            bias = self.pipe.kv_cache_attention_bias + (0.5 if name == "bias_up" else -0.5)
-            w.commands.put({"event": "bias", "value": max(-100.0, min(100.0, bias))})
+            # from the last value asked for until a frame shows it (several presses between two frames add up)
+            now = self.bias_asked if self.bias_asked is not None else (
+                self.last.bias if self.last is not None else self.pipe.settings.kv_cache_attention_bias)
+            bias = self.bias_asked = max(-100.0, min(100.0, now + (0.5 if name == "bias_up" else -0.5)))
+            w.commands.put({"event": "bias", "value": bias})
         elif name == "next_clip":
-            n = max(1, len(self.pipe.replay.paths))
+            n = max(1, w.clip_count)
             self.clip_index = (self.clip_index + 1) % n
             w.commands.put({"event": "clip", "clip": self.clip_index})
         elif name == "new_level":
@@ -354,6 +365,8 @@ class Game:
 
     def on_frame(self, r: FrameResult):
         self.frame, self.last = r.frame, r
+        if self.bias_asked == r.bias:
+            self.bias_asked = None
         self.frames_shown += 1
         self.pipe_ms.append(r.denoise_ms + r.decode_ms)
         self.pipe_ms_total.append(r.denoise_ms + r.decode_ms)
@@ -383,13 +396,13 @@ class Game:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
         r = self.last
         held = [b for b, on in zip(BUTTONS, self.controls.held()) if on]
-        state = "PAUSED" if self.worker.paused else ("GT replay" if self.pipe.ground_truth else "live")
+        state = "PAUSED" if self.worker.paused else ("GT replay" if r is not None and r.ground_truth else "live")
         return [
             f"FPS {self.clock.get_fps():5.1f}  pipeline {1000 / mean(self.pipe_ms) if self.pipe_ms else 0:5.1f}",
             f"denoise {r.denoise_ms if r else 0:5.1f} ms  decode {r.decode_ms if r else 0:4.1f} ms  "
             f"draw {mean(self.draw_ms):4.1f} ms",
-            f"kv {self.pipe.settings.kv_cache} {self.pipe.kv_bytes / 2**20:.1f} MiB  frame {r.index if r else 0}  "
-            f"epoch {r.epoch if r else 0}  bias {self.pipe.kv_cache_attention_bias:g}  {state}",
+            f"kv {self.pipe.settings.kv_cache} {(r.kv_bytes if r else 0) / 2**20:.1f} MiB  frame {r.index if r else 0}  "
+            f"epoch {r.epoch if r else 0}  bias {r.bias if r else self.pipe.settings.kv_cache_attention_bias:g}  {state}",
             f"mouse {r.mouse if r else [0, 0]} sens {self.controls.sensitivity:g}"
             + (f"  threads {self.budget.threads}/{self.budget.cores} (busy machine)"
                if self.budget is not None and self.budget.limited else ""),

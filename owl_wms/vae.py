@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, WorldConfig
-from .controls import to_unit
+from .controls import to_uint8, to_unit
 
 
 class FrameDecoder(nn.Module):
@@ -20,6 +20,7 @@ class FrameDecoder(nn.Module):
         self.autoencoder = autoencoder
         self.latent_channels = latent_channels
         self._decode = self._decode_sample
+        self._frame_shape: tuple[int, int] | None = None
 
     def _decode_sample(self, latents: torch.Tensor) -> torch.Tensor:
         return self.autoencoder.decode(latents).sample.float().clamp(-1, 1)
@@ -44,6 +45,18 @@ class FrameDecoder(nn.Module):
                              f"[batch, {self.latent_channels}, h, w]")
         p = next(self.autoencoder.parameters())
         return self._decode(latents.to(p.device, p.dtype))
+
+    @torch.no_grad()
+    def frame_shape(self, size: int) -> tuple[int, int]:
+        """(H, W) of the frames decoded from [.., c, size, size] latents (decoded once)."""
+        if self._frame_shape is None:
+            self._frame_shape = tuple(self.decode(torch.zeros(1, self.latent_channels, size, size)).shape[-2:])
+        return self._frame_shape
+
+    @torch.no_grad()
+    def reencode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents [n, c, h, w] decoded one by one to uint8 frames (what a player sees) and encoded again."""
+        return self.encode_uint8(torch.stack([to_uint8(self.decode(x[None])[0]) for x in latents]))
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:

@@ -130,14 +130,14 @@ def test_noise_is_drawn_on_the_device_from_the_seed(device):
     """A frame's noise and the history's come from a generator on the model's device, so nothing
     is drawn on the host and copied in per frame; on the CPU its stream is the seed's, as before."""
     pipe = pipeline("int8", True, device=device, seed=7)
-    assert pipe.generator.device.type == device
+    assert pipe.noise.generator.device.type == device
     plans = []
     frame = pipe.lifecycle.frame
     pipe.lifecycle.frame = lambda *args, **kw: plans.append(frame(*args, **kw)) or plans[-1]
     play(pipe, 1)
     assert plans[0].noise.device.type == device and plans[0].noise.dtype == torch.float32
     c, s = pipe.cfg.channels, pipe.cfg.sample_size
-    pipe.generator.manual_seed(7)
+    pipe.noise.generator.manual_seed(7)
     expected = torch.randn((1, 1, c, s, s), generator=torch.Generator(device).manual_seed(7), device=device)
     assert torch.equal(pipe.noise(), expected)
 

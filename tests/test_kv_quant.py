@@ -511,7 +511,7 @@ def test_profile_lines_time_quantization_and_attention_only_when_on(capsys):
         assert field in line
     # Off: nothing is wrapped, so the forward pass carries no timing code at all.
     quiet = CausvidPipeline(random_model(cfg), None, tiny_world(cfg), fp32_settings(kv=settings), verbose=False)
-    assert isinstance(quiet.profiler, NoProfiler) and "attend_out" not in vars(quiet.core.transformer.blocks[0].attn)
+    assert isinstance(quiet.profiler, NoProfiler) and "attend_out" not in vars(quiet.runner.core.transformer.blocks[0].attn)
 
 
 def test_guard_checksum_report_gives_a_verdict(capsys):

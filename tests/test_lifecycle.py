@@ -137,14 +137,14 @@ def test_recompute_equals_a_fresh_prefill_of_the_same_history(kv):
     a.prefill(*history())
     ctrl = controls(every + 2)
     run(a, ctrl[:every])
-    anchor, rng = a.anchor(), a.generator.get_state()
+    anchor, rng = a.recompute_anchor.stacked(), a.noise.state()
     after = run(a, ctrl[every:])  # the first of these frames rebuilds the cache
     assert a.lifecycle.event == "frame" and a.lifecycle.since_anchor == 2
     # positions were re-based: W anchor frames + the 2 frames since, not the whole session
     assert a.cache.get_offset(0) == (W + 2) * CFG.tokens_per_frame
 
     b = make(**kv)
-    b.generator.set_state(rng)
+    b.noise.restore(rng)
     b.hard_cut(*anchor, reseed=False)
     assert torch.equal(run(b, ctrl[every:]), after)
 
@@ -160,11 +160,11 @@ def test_recompute_from_decoded_frames_equals_a_hard_cut_to_those_images():
         a.generate(m, b)
     lat, m_hist, b_hist = a.recompute_anchor.stacked()
     images = torch.stack([a.decode(x[None, None]) for x in lat])
-    rng = a.generator.get_state()
+    rng = a.noise.state()
     after = a.generate(*ctrl[every])
 
     b = CausvidPipeline.from_checkpoint(settings=settings.replace(kv_recompute_every=0), verbose=False)
-    b.generator.set_state(rng)
+    b.noise.restore(rng)
     b.hard_cut(images=images, mouse=m_hist, buttons=b_hist, reseed=False)
     assert torch.equal(b.generate(*ctrl[every]), after)
 

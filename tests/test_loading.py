@@ -300,7 +300,7 @@ def test_pipeline_start_up_line_says_which_weights(tmp_path, capsys):
     trainer_checkpoint(tmp_path / "t.pt", cfg, {k: v + 1 for k, v in state.items()}, state)
     pipe = CausvidPipeline.from_checkpoint(cfg_path, tmp_path / "t.pt", clip=None)
     assert "weights=ema (ema: ema_model.*," in capsys.readouterr().out
-    loaded = pipe.model.core.state_dict()  # in the pipeline's compute dtype
+    loaded = pipe.runner.model.core.state_dict()  # in the pipeline's compute dtype
     assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in state.items())
     CausvidPipeline.from_checkpoint(cfg_path, tmp_path / "t.pt", clip=None, weights="online")
     assert "weights=online (model, " in capsys.readouterr().out

@@ -29,3 +29,14 @@ class RecomputeAnchor:
             raise RuntimeError("no committed frames to anchor a recompute (the history was given pre-noised)")
         lat, m, b = (torch.stack(t) for t in zip(*self.frames))
         return lat, m, b
+
+    def state(self) -> tuple[dict, dict]:
+        """(tensors, metadata) for a snapshot."""
+        tensors = {f"{i}.{name}": t for i, frame in enumerate(self.frames)
+                   for name, t in zip(("latent", "mouse", "buttons"), frame)}
+        return tensors, {"frames": len(self.frames)}
+
+    def restore(self, tensors: dict, meta: dict) -> None:
+        self.frames.clear()
+        self.frames.extend(tuple(tensors[f"{i}.{name}"].clone() for name in ("latent", "mouse", "buttons"))
+                           for i in range(meta["frames"]))

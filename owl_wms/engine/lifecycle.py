@@ -18,6 +18,8 @@ from enum import Enum
 
 import torch
 
+from ..controls import N_BUTTONS, no_controls
+
 ENVELOPE_VERSION = 1
 
 
@@ -70,6 +72,21 @@ class StepPlan:
     def summary(self) -> str:
         return (f"call {self.call_id} {self.event} epoch={self.epoch} frame={self.frame_index} "
                 f"bias={self.bias:g} calls={self.expected_calls}")
+
+
+def check_history(history, mouse=None, buttons=None, *, window: int, channels: int, size: int):
+    """(history, mouse, buttons) of a new history: [n <= window, c, h, w] latents with [n, 2]
+    mouse and [n, 11] buttons (default: no input); anything else is refused."""
+    n = history.shape[0]
+    none_m, none_b = no_controls(n)
+    mouse = none_m if mouse is None else torch.as_tensor(mouse, dtype=torch.float32)
+    buttons = none_b if buttons is None else torch.as_tensor(buttons, dtype=torch.float32)
+    if (history.ndim != 4 or not 1 <= n <= window or tuple(history.shape[1:]) != (channels, size, size)
+            or tuple(mouse.shape) != (n, 2) or tuple(buttons.shape) != (n, N_BUTTONS)):
+        raise ValueError(f"history {tuple(history.shape)}, mouse {tuple(mouse.shape)}, buttons "
+                         f"{tuple(buttons.shape)}; expected [n <= {window}, {channels}, {size}, {size}], [n, 2], "
+                         f"[n, {N_BUTTONS}]")
+    return history, mouse, buttons
 
 
 class Lifecycle:
@@ -165,6 +182,15 @@ class Lifecycle:
             self.frame_index += plan.commit
             self.since_anchor += plan.commit
             self.phase = Phase.STEADY
+
+    def finish(self, plan: StepPlan, calls: int) -> None:
+        """After ``plan`` ran in ``calls`` model calls: the counters follow, and a count other
+        than the plan's fails fast (a step that skipped or repeated a model call)."""
+        self.model_calls += calls
+        self.advance(plan)
+        if calls != plan.expected_calls:
+            raise LifecycleError(f"made {calls} model calls in step {plan.summary()}; the plan expected "
+                                 f"{plan.expected_calls}")
 
     def scalars(self) -> list[float]:
         """What every TP rank must agree on (compared by the periodic all-gather)."""

@@ -16,15 +16,16 @@ TENSORS = ("x", "t", "mouse", "buttons")
 
 
 class NoCacheHistory:
-    def __init__(self, n_layers: int, window: int):
-        self.window, self.keep = window, n_layers * (window - 1) + 1
+    def __init__(self, cfg, window: int, device, dtype):
+        self.cfg, self.window, self.keep = cfg, window, cfg.n_layers * (window - 1) + 1
+        self.device, self.dtype = device, dtype
         self.x = self.t = self.mouse = self.buttons = None
         self.start, self.prefill_end, self.bias = 0, 0, ()
 
-    def reset(self, cfg, device, dtype, prefill_end: int):
-        """An empty history on ``device``; the next ``prefill_end`` frames are the prefill."""
-        c, s = cfg.channels, cfg.sample_size
-        empty = lambda *shape: torch.zeros(1, 0, *shape).to(device, dtype)  # noqa: E731
+    def reset(self, prefill_end: int):
+        """An empty history; the next ``prefill_end`` frames are the prefill."""
+        c, s = self.cfg.channels, self.cfg.sample_size
+        empty = lambda *shape: torch.zeros(1, 0, *shape).to(self.device, self.dtype)  # noqa: E731
         self.x, self.t, self.mouse, self.buttons = empty(c, s, s), empty(), empty(2), empty(N_BUTTONS)
         self.start, self.prefill_end, self.bias = 0, prefill_end, ()
 
@@ -44,11 +45,22 @@ class NoCacheHistory:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.x, self.t, self.mouse, self.buttons
 
-    def state(self) -> tuple[dict, dict]:
-        """(tensors, metadata) for a snapshot."""
-        return (dict(zip(TENSORS, self.tensors())),
-                {"start": self.start, "prefill_end": self.prefill_end, "bias": list(self.bias)})
+    def nbytes(self) -> int:
+        """Bytes of the inputs kept (no K/V is held)."""
+        return 0 if self.x is None else sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def load_state(self, tensors: dict, meta: dict, device, dtype):
-        self.x, self.t, self.mouse, self.buttons = (tensors[k].to(device, dtype) for k in TENSORS)
+    def get_offset(self, layer: int = 0) -> int:
+        """Tokens taken since the reset: the next token's position, as a cache's offset."""
+        return 0 if self.x is None else (self.start + self.x.shape[1]) * self.cfg.tokens_per_frame
+
+    def state_dict(self) -> tuple[dict, dict]:
+        """(tensors, metadata) for a snapshot."""
+        tensors = {} if self.x is None else dict(zip(TENSORS, self.tensors()))
+        return tensors, {"kind": "none", "start": self.start, "prefill_end": self.prefill_end, "bias": list(self.bias)}
+
+    def load_state_dict(self, tensors: dict, meta: dict):
+        if meta.get("kind") != "none":
+            raise ValueError("this snapshot holds a KV cache; this pipeline runs without one (kv_cache none)")
+        self.x, self.t, self.mouse, self.buttons = (tensors[k].to(self.device, self.dtype) if tensors else None
+                                                    for k in TENSORS)
         self.start, self.prefill_end, self.bias = meta["start"], meta["prefill_end"], tuple(meta["bias"])

@@ -31,9 +31,6 @@ class NoProfiler:
     def mark(self, name: str):
         return None
 
-    def watch_cache(self, cache):
-        return None
-
     def cut_started(self, event: str):
         return None
 
@@ -56,11 +53,12 @@ class KVProfiler:
         s = pipe.settings
         self = cls(s.device, s.profile_kv_first, s.profile_kv_every, printer=lambda text: pipe.log(text))
         if not s.compile:
-            for block in pipe.core.transformer.blocks:
+            for block in pipe.runner.core.transformer.blocks:
                 self.instrument(block.attn, "attend_out", "attn")
         if tp is not None:
-            for method in ("all_reduce", "exchange", "check_scalars"):
+            for method in ("all_reduce", "all_gather", "exchange", "check_scalars"):
                 self.instrument(tp, method, "comm")
+        self.watch_cache(pipe.cache)
         return self
 
     def watch_cache(self, cache):

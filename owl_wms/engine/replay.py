@@ -39,6 +39,20 @@ class ClipReplay:
         self.clip = clip if isinstance(clip, Clip) else load_clip(clip, cfg.channels, cfg.sample_size)
         return self.clip
 
+    def set_on(self, on: bool) -> None:
+        """Turned on, the clip's recorded actions replay from their start."""
+        self.on, self.step = bool(on), 0 if on else self.step
+
+    def restart(self) -> None:
+        """A new history: the recorded actions start over."""
+        self.step = 0
+
+    def history(self, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The clip's last ``window`` history frames: (latents, mouse, buttons)."""
+        if self.clip is None:
+            raise RuntimeError("no clip loaded; call load_clip() first")
+        return self.clip.history(window)
+
     def controls(self, mouse, buttons) -> tuple[torch.Tensor, torch.Tensor]:
         """The controls the next frame uses: the player's, or the clip's next recorded ones."""
         if not self.on:
@@ -49,3 +63,9 @@ class ClipReplay:
                              f"ask for at most {recorded} frames or restart the clip")
         self.step += 1
         return self.clip.future_mouse[self.step - 1], self.clip.future_buttons[self.step - 1]
+
+    def state(self) -> tuple[dict, dict]:
+        return {}, {"step": self.step, "on": self.on, "clip": self.clip.name if self.clip is not None else None}
+
+    def restore(self, tensors: dict, meta: dict) -> None:
+        self.step, self.on = meta["step"], meta["on"]

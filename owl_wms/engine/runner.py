@@ -17,6 +17,7 @@ from ..quant import eager_division
 from ..ring import RingCache, ring_blocker
 from ..sampler import euler
 from ..settings import Settings
+from .nocache import NoCacheHistory
 
 
 class ModelRunner:
@@ -36,6 +37,7 @@ class ModelRunner:
         self.background = None  # the thread compiling the frame call while frames run eagerly
         self.graphs: dict[tuple[int, int], object] = {}  # (batch rows, threads) -> its built compiled call
         self.frame_calls = 0  # frame calls made (the background compile starts after the first frame)
+        self.calls = 0  # model calls made (a step's count is checked against its plan)
         # why a frame's call cannot be one graph of the model as written (None: it can)
         self.graph_blocker = self.ring_blocker or ("tensor parallelism all-reduces inside the blocks" if tp is not None
                                                    else None if s.frame_graph else "OWL_FRAME_GRAPH=0")
@@ -122,10 +124,18 @@ class ModelRunner:
                              f"{self.ring_blocker}")
         return build_cache(self.cache_cfg, self.settings, self.window, plans=self.kv_plan)
 
+    def inputs(self, *tensors) -> list[torch.Tensor]:
+        """Tensors as a model call takes them: on the model's device, in its dtype."""
+        return [t.to(self.device, self.dtype) for t in tensors]
+
     @torch.no_grad()
-    def call(self, x, t, mouse, buttons, cache, bias, write: bool) -> torch.Tensor:
-        """The model's velocity for ``x`` [b, n, c, h, w] at ``t`` [b, n] over ``cache``, written
-        when ``write``. ``bias``: the soft-forgetting bias (a float, or [b] over the ring)."""
+    def call(self, x, t, mouse, buttons, cache, bias, write) -> torch.Tensor:
+        """The model's velocity for ``x`` [b, n, c, h, w] at ``t`` [b, n] over ``cache`` (or the
+        cache-free baseline's history), written when ``write`` (a bool, or [b] over the ring).
+        ``bias``: the soft-forgetting bias (a float, or [b] over the ring)."""
+        self.calls += 1
+        if isinstance(cache, NoCacheHistory):
+            return cache.velocity(self.core, x, t, mouse, buttons, bool(write), bias)
         if torch.is_tensor(write):  # per row of a batch
             cache.set_commit(write)
         elif write:
@@ -144,14 +154,21 @@ class ModelRunner:
             cache.disable_cache_updates()
 
     @torch.no_grad()
-    def denoise(self, x, mouse, buttons, cache, schedule, bias, commit) -> torch.Tensor:
+    def denoise(self, x, mouse, buttons, cache, schedule, bias, commit, after_step=None) -> torch.Tensor:
         """Frames from noise ``x`` [b, 1, c, h, w] down ``schedule``, one model call a step over
-        the ring rows ``cache``; the last step writes the rows whose ``commit`` [b] is set."""
+        ``cache``; the last step writes the frames whose ``commit`` (a bool, or [b] over the ring)
+        is set. ``after_step(i, velocity)`` sees each step's prediction."""
         last = len(schedule) - 2
         steps = [torch.full((x.shape[0], 1), t, device=x.device, dtype=x.dtype) for t in schedule[:-1]]
-        no = torch.zeros_like(commit)
-        return euler(lambda x, t, i: self.call(x, steps[i], mouse, buttons, cache, bias, commit if i == last else no),
-                     x, schedule)
+        no = torch.zeros_like(commit) if torch.is_tensor(commit) else False
+
+        def velocity(x, t, i):
+            v = self.call(x, steps[i], mouse, buttons, cache, bias, commit if i == last else no)
+            if after_step is not None:
+                after_step(i, v)
+            return v
+
+        return euler(velocity, x, schedule)
 
     def describe(self) -> str:
         if self.settings.compile_background and self.graph_blocker is None and self.compiled is None:

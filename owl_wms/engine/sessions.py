@@ -15,8 +15,8 @@ import torch
 
 from ..controls import N_BUTTONS, to_uint8
 from ..settings import Settings
-from .lifecycle import LifecycleError
-from .pipeline import CausvidPipeline, load_parts, startup_text
+from .build import load_parts, startup_text
+from .pipeline import CausvidPipeline
 from .runner import ModelRunner
 
 
@@ -36,11 +36,14 @@ class Sessions:
             raise ValueError(f"several sessions in one call need the in-place ring cache (OWL_RING_MODE=inplace with "
                              f"frame-local scales); these settings can't use it: {self.runner.ring_blocker}")
         self.world, self.model, self.decoder, self.weights = world, model, decoder, weights
+        self.window, self.alpha, self.schedule = world.pipeline.window_frames, world.pipeline.history_alpha, world.pipeline.schedule
+        self.tp = None  # sessions run in one process
         self.capacity = capacity
         self.ring = self.runner.new_cache(rows=batch_rows(capacity))
         self.rows: dict[CausvidPipeline, int] = {}  # open sessions -> their ring row
         if verbose:
-            print(startup_text(self.open_unregistered(0)) + f"\n[owl] sessions: up to {capacity} in one call", flush=True)
+            n_params = sum(p.numel() for p in model.parameters())
+            print(startup_text(self, n_params) + f"\n[owl] sessions: up to {capacity} in one call", flush=True)
 
     @classmethod
     def from_checkpoint(cls, checkpoint=None, ckpt_path=None, settings: Settings | None = None, capacity: int = 8,
@@ -48,19 +51,16 @@ class Sessions:
         world, model, decoder, described = load_parts(checkpoint, ckpt_path, weights)
         return cls(model, decoder, world, settings, capacity, verbose, described)
 
-    def open_unregistered(self, row: int, seed: int | None = None, ground_truth: bool = False) -> CausvidPipeline:
-        settings = self.settings if seed is None else self.settings.replace(seed=seed)
-        return CausvidPipeline(self.model, self.decoder, self.world, settings, ground_truth=ground_truth,
-                               verbose=False, weights=self.weights, runner=self.runner,
-                               cache=self.ring.rows(row, row + 1))
-
     def open(self, seed: int | None = None, clip=0, ground_truth: bool = False) -> CausvidPipeline:
         """A new session in the lowest free row, its history from ``clip`` (None: load one later)
         and its noise from ``seed`` (default: the settings')."""
         free = [r for r in range(self.capacity) if r not in self.rows.values()]
         if not free:
             raise RuntimeError(f"all {self.capacity} sessions are open; close one first")
-        pipe = self.open_unregistered(free[0], seed, ground_truth)
+        settings = self.settings if seed is None else self.settings.replace(seed=seed)
+        pipe = CausvidPipeline(self.model, self.decoder, self.world, settings, ground_truth=ground_truth,
+                               verbose=False, weights=self.weights, runner=self.runner,
+                               cache=self.ring.rows(free[0], free[0] + 1))
         self.rows[pipe] = free[0]
         if clip is not None:
             pipe.load_clip(clip)
@@ -83,12 +83,11 @@ class Sessions:
         if unknown:
             raise ValueError(f"{len(unknown)} of the sessions given are not open here")
         order = sorted(controls, key=self.rows.get)
-        plans, before = {}, {}
+        plans, calls = {}, {}
         for pipe in order:
             mouse, buttons, *commit = controls[pipe]
-            before[pipe] = pipe.lifecycle.model_calls
             plans[pipe] = pipe.plan_frame(mouse, buttons, commit=commit[0] if commit else True)
-            pipe.write_history(plans[pipe])  # a recompute: this session's row alone
+            calls[pipe] = pipe.write_history(plans[pipe])  # a recompute: this session's row alone
         n = batch_rows(max(self.rows[p] for p in order) + 1)
         cfg, dev, dtype = self.world.model, self.runner.device, self.settings.dtype
         x = torch.zeros(n, 1, cfg.channels, cfg.sample_size, cfg.sample_size, device=dev, dtype=dtype)
@@ -99,16 +98,12 @@ class Sessions:
             r, plan = self.rows[pipe], plans[pipe]
             x[r], mouse[r, 0], buttons[r, 0] = plan.noise[0], plan.mouse, plan.buttons
             commit[r], bias[r] = plan.commit, plan.bias
-        out = self.runner.denoise(x, mouse, buttons, self.ring.rows(0, n), pipe.schedule, bias.to(dev), commit.to(dev))
+        before = self.runner.calls
+        out = self.runner.denoise(x, mouse, buttons, self.ring.rows(0, n), self.schedule, bias.to(dev), commit.to(dev))
         latents = {}
-        for pipe in order:
+        for pipe in order:  # each session made its frame in the batch's calls
             latent = latents[pipe] = out[self.rows[pipe]][None]
-            plan = plans[pipe]
-            pipe.finish_frame(plan, latent, len(pipe.schedule) - 1)
-            made = pipe.lifecycle.model_calls - before[pipe]
-            if made != plan.expected_calls:
-                raise LifecycleError(f"made {made} model calls in step {plan.summary()}; the plan expected "
-                                     f"{plan.expected_calls}")
+            pipe.finish_frame(plans[pipe], latent, calls[pipe] + self.runner.calls - before)
         return latents
 
     @torch.no_grad()

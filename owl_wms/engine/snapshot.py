@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-STATE_FORMAT = "owl-pipeline-state/1"
+STATE_FORMAT = "owl-pipeline-state/2"
 # Settings a snapshot may differ in: the generator state and the bias travel in the snapshot.
-VOLATILE = {"seed", "threads", "profile_kv", "profile_kv_first", "profile_kv_every", "tp_check_every", "tp_timeout_s",
+VOLATILE = {"seed", "threads", "profile_kv", "profile_kv_first", "profile_kv_every", "tp_check_every", "tp_timeout_s", "tp_reduce",
             "kv_cache_attention_bias"}
 
 
@@ -28,28 +28,23 @@ def identity(pipe) -> str:
 
 
 def get_state(pipe) -> dict:
-    """A snapshot of ``pipe`` (copies): {"tensors": {...}, "meta": {...}}."""
+    """A snapshot of ``pipe`` (copies): {"tensors": {...}, "meta": {...}}, each of its parts'
+    ``state()`` under the part's name."""
     if pipe.tp is not None:
         raise RuntimeError("snapshots of a tensor-parallel pipeline are not supported (each rank holds "
                            "only its heads); snapshot a single-process run")
-    tensors = {"rng": pipe.generator.get_state()}
+    parts = {"noise": ({"rng": pipe.noise.state()}, {}), "lifecycle": ({}, pipe.lifecycle.state()),
+             "anchor": pipe.recompute_anchor.state(), "replay": pipe.replay.state(), "cache": pipe.cache.state_dict()}
+    tensors = {f"{name}.{k}": v.detach().clone() for name, (ts, _) in parts.items() for k, v in ts.items()}
     meta = {"format": STATE_FORMAT, "identity": identity(pipe), "world": pipe.world.name,
-            "lifecycle": pipe.lifecycle.state(), "gt_step": pipe.replay.step, "ground_truth": pipe.replay.on,
-            "clip": pipe.clip.name if pipe.clip is not None else None, "anchor": len(pipe.recompute_anchor)}
-    for i, (lat, m, b) in enumerate(pipe.recompute_anchor.frames):
-        tensors.update({f"anchor.{i}.latent": lat, f"anchor.{i}.mouse": m, f"anchor.{i}.buttons": b})
-    if pipe.cache is not None:
-        cache_tensors, meta["cache"] = pipe.cache.state_dict()
-        tensors.update({f"cache.{k}": v for k, v in cache_tensors.items()})
-    if pipe.nocache is not None and pipe.nocache.x is not None:
-        nocache_tensors, meta["nocache"] = pipe.nocache.state()
-        tensors.update({f"nocache.{k}": v for k, v in nocache_tensors.items()})
-    return {"tensors": {k: v.detach().clone() for k, v in tensors.items()}, "meta": meta}
+            "parts": {name: m for name, (_, m) in parts.items()}}
+    return {"tensors": tensors, "meta": meta}
 
 
 @torch.no_grad()
 def load_state(pipe, state: dict | str | Path):
-    """Restore a snapshot from ``get_state`` or a file written by ``save_state``."""
+    """Restore a snapshot from ``get_state`` or a file written by ``save_state``: each part
+    restores its own state."""
     if not isinstance(state, dict):
         state = read_state(state)
     tensors, meta = state["tensors"], state["meta"]
@@ -59,18 +54,13 @@ def load_state(pipe, state: dict | str | Path):
         raise ValueError(f"snapshot was taken from world {meta['world']!r} with other model or settings "
                          f"(identity {meta['identity']}, this pipeline {identity(pipe)}); load it into a "
                          "pipeline built from the same checkpoint and settings")
-    if "cache" in meta:
-        pipe._reset_cache(0)
-        pipe.cache.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("cache.")}, meta["cache"])
-    if "nocache" in meta:
-        pipe.nocache.load_state({k[8:]: v for k, v in tensors.items() if k.startswith("nocache.")}, meta["nocache"],
-                                pipe.device, pipe.settings.dtype)
-    pipe.recompute_anchor.restart()
-    pipe.recompute_anchor.frames.extend((tensors[f"anchor.{i}.latent"].clone(), tensors[f"anchor.{i}.mouse"].clone(),
-                         tensors[f"anchor.{i}.buttons"].clone()) for i in range(meta["anchor"]))
-    pipe.lifecycle.load_state(meta["lifecycle"])
-    pipe.generator.set_state(tensors["rng"].clone())
-    pipe.replay.step, pipe.replay.on = meta["gt_step"], meta["ground_truth"]
+    parts = {name: ({k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}, m)
+             for name, m in meta["parts"].items()}
+    pipe.cache.load_state_dict(*parts["cache"])
+    pipe.recompute_anchor.restore(*parts["anchor"])
+    pipe.replay.restore(*parts["replay"])
+    pipe.lifecycle.load_state(parts["lifecycle"][1])
+    pipe.noise.restore(parts["noise"][0]["rng"])
 
 
 def save_state(pipe, path: str | Path) -> Path:

@@ -10,7 +10,7 @@ found after a step (a wrong number of model calls) is voted on at the next step.
 from __future__ import annotations
 
 from ..parallel import ParallelContext, TPError, digest, fingerprint, is_collective_error
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, LifecycleError, Phase
 
 
 class TensorParallelSteps:
@@ -27,7 +27,7 @@ class TensorParallelSteps:
         return self.tp.is_leader
 
     def describe(self) -> str:
-        return (f"[owl] tensor parallel: {self.tp.world} ranks, {self.pipe.cache_cfg.n_heads} of "
+        return (f"[owl] tensor parallel: {self.tp.world} ranks, {self.pipe.runner.cache_cfg.n_heads} of "
                 f"{self.pipe.cfg.n_heads} heads per rank, lifecycle check every {self.tp.check_every} steps")
 
     def run(self, plan):
@@ -37,7 +37,10 @@ class TensorParallelSteps:
         try:
             plan = tp.exchange(plan, pipe.lifecycle, self.step_error)
             self.step_error = None
-            x = pipe.execute(plan)
+            try:
+                x = pipe.execute(plan)
+            except LifecycleError as exc:  # every rank fails together at the next step's vote
+                self.step_error, x = str(exc), None
             if plan.event == "stop" or pipe.lifecycle.call_id % tp.check_every == 0:
                 n = pipe.cfg.n_layers
                 names = [*Lifecycle.SCALAR_NAMES, *(f"offset{i}" for i in range(n))]
@@ -52,6 +55,11 @@ class TensorParallelSteps:
             if is_collective_error(exc):
                 raise tp.explain(exc) from exc
             raise
+
+    def stop(self) -> None:
+        """Rank 0: the other ranks stop, after a final vote and lifecycle check."""
+        if self.tp.is_leader and self.pipe.lifecycle.phase is not Phase.EMPTY:
+            self.run(self.pipe.lifecycle.stop())
 
     def follow(self) -> int:
         """Ranks other than 0: execute rank 0's steps until it stops; returns frames made."""

@@ -14,44 +14,45 @@ FAULT = os.environ.get("TEST_FAULT", "")
 
 def _tp_fault(fault: str):
     from owl_wms.engine.pipeline import CausvidPipeline
+    from owl_wms.engine.planner import FramePlanner
     from owl_wms.engine.tensor_parallel import TensorParallelSteps
 
     if fault == "settings":
         os.environ["OWL_SEED"] = str(int(os.environ.get("OWL_SEED", "0")) + 1)
         return
-    execute, run = CausvidPipeline._execute, TensorParallelSteps.run
+    execute, finish, run = CausvidPipeline.execute, FramePlanner.finish, TensorParallelSteps.run
 
     def broken_execute(self, plan):
         if fault == "raise" and plan.generates and self.lifecycle.frame_index == 3:
             raise RuntimeError("injected fault before frame 3's first model call")
-        x = execute(self, plan)
+        return execute(self, plan)
+
+    def broken_finish(self, plan, latent, calls):
         if fault == "calls" and plan.generates and self.lifecycle.frame_index == 2:
-            self.lifecycle.model_calls += 1
-        return x
+            calls += 1  # a stray model call
+        return finish(self, plan, latent, calls)
 
     def broken_run(self, plan):
         if fault == "envelope" and plan is None and self.pipe.lifecycle.call_id == 2:
             self.pipe.lifecycle.call_id += 1
         return run(self, plan)
 
-    CausvidPipeline._execute, TensorParallelSteps.run = broken_execute, broken_run
+    CausvidPipeline.execute, FramePlanner.finish, TensorParallelSteps.run = broken_execute, broken_finish, broken_run
 
 
 def _nan_scale():
-    from owl_wms.engine.pipeline import CausvidPipeline
+    from owl_wms.engine.runner import ModelRunner
 
-    reset = CausvidPipeline._reset_cache
+    new_cache = ModelRunner.new_cache
 
-    def broken_reset(self, history_frames):
-        reset(self, history_frames)
-        cache = self.cache
-        if cache is not None and not getattr(cache, "broken", False):
-            read = cache.attend_window
-            cache.attend_window = lambda layer, k=None, v=None: (lambda r: (r[0], r[1] * float("nan"), r[2]))(
-                read(layer, k, v))
-            cache.broken = True
+    def broken_cache(self, *args, **kwargs):
+        cache = new_cache(self, *args, **kwargs)
+        read = cache.attend_window
+        cache.attend_window = lambda layer, k=None, v=None: (lambda r: (r[0], r[1] * float("nan"), r[2]))(
+            read(layer, k, v))
+        return cache
 
-    CausvidPipeline._reset_cache = broken_reset
+    ModelRunner.new_cache = broken_cache
 
 
 if FAULT.startswith("nan_scale@"):
