@@ -126,24 +126,15 @@ def _flex_eager(q, k, v, bm, scale, score_mod=None):
 @torch.compiler.disable
 @lru_cache(maxsize=64)
 def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window, bias: float | tuple,
-                      ring: tuple | None, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """Additive [Tq, Tk] mask for soft forgetting: ``bias`` on visible keys of earlier frames
-    (cached history), 0 on the query's own frame, -inf where the frame rule hides a key.
-    ``bias`` is one value, or one per query frame (frames written under different biases).
-
-    ``ring`` = (query slot, visible slots or None for all) when the keys are ring slots read in
-    place (one query frame); otherwise the query frames are the last ``n_q_frames`` key frames.
-    """
-    if ring is None:
-        q = torch.arange(n_q_frames) + (n_k_frames - n_q_frames)
-        k = torch.arange(n_k_frames)
-        visible = frame_rule(n_q_frames, n_k_frames, window)
-        history = k[None, :] < q[:, None]
-    else:
-        current, slots = ring
-        visible = torch.zeros(1, n_k_frames, dtype=torch.bool)
-        visible[0, list(slots) if slots is not None else slice(None)] = True
-        history = (torch.arange(n_k_frames) != current)[None]
+                      dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Additive [Tq, Tk] mask for soft forgetting over time-ordered keys whose last ``n_q_frames``
+    frames are the queries': ``bias`` on visible keys of earlier frames (cached history), 0 on the
+    query's own frame, -inf where the frame rule hides a key. ``bias`` is one value, or one per
+    query frame (frames written under different biases). (A frame over the ring carries its own.)"""
+    q = torch.arange(n_q_frames) + (n_k_frames - n_q_frames)
+    k = torch.arange(n_k_frames)
+    visible = frame_rule(n_q_frames, n_k_frames, window)
+    history = k[None, :] < q[:, None]
     per_frame = torch.tensor(bias if isinstance(bias, tuple) else (bias,), dtype=torch.float32)[:, None]
     add = torch.where(history, per_frame, torch.tensor(0.0))
     add = add.masked_fill(~visible, float("-inf"))
@@ -153,9 +144,8 @@ def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window
 def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
     """q: [b,h,Tq,dh], k/v: [b,h,Tk,dh]; query frames are the last Tq/tpf key frames.
 
-    ``mask``: a boolean [Tq or 1, Tk] from a ring cache read in place (it replaces the
-    chronological rule: the keys are then slots in any order), or a float additive mask from
-    ``history_bias_mask`` (soft forgetting; it encodes the whole rule, in any key order).
+    ``mask``: a float additive mask that encodes the whole rule: ``history_bias_mask``'s (soft
+    forgetting), or with ``backend`` "ring" a frame's [b, 1, 1, Tk] over ring slots in any order.
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "ring":  # a frame over a ring read in place: its mask [b, 1, 1, Tk] holds the whole rule
@@ -168,8 +158,6 @@ def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
             if q.device.type == "cpu":
                 return _flex_eager(q, k, v, None, scale, biased)
             return flex_attention(q, k, v, score_mod=biased, scale=scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    if mask is not None:  # ring warm-up only; SDPA takes the dense mask on every backend
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     n_q, n_k = q.shape[2] // tpf, k.shape[2] // tpf
     # Tail-only read: drop key frames no query can see (exact; saves work on local layers).
@@ -246,8 +234,7 @@ class Attention(nn.Module):
         return apply_rope(F.rms_norm(q, (q.shape[-1],)), cos, sin)
 
     def with_cache(self, k, v, kv_cache):
-        """Eager cache bookkeeping: write this call's K/V (when enabled) and read the window
-        (plus a slot mask for ring caches read in place)."""
+        """Eager cache bookkeeping: write this call's K/V (when enabled) and read the window."""
         if kv_cache is None:
             return k, v, None
         return kv_cache.attend_window(self.layer, k, v)

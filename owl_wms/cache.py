@@ -9,13 +9,12 @@ Contract used by attention (docs/architecture.md, The KV cache): ``should_update
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from .config import ModelConfig
-from .layouts import FrameStore, Layout, RingLayout, make_layout
-from .quant import RING_STEP, Quantizer, ScalePolicy, make_codec
+from .layouts import FrameStore, RingLayout, make_layout
+from .quant import Quantizer, ScalePolicy, make_codec
 from .settings import KVSettings, SettingsError
 
 
@@ -133,10 +132,6 @@ class StaticCache(CacheUpdates):
     def borrows(self, layer: int) -> bool:
         return False
 
-    def ring_view(self, layer: int):
-        """Keys are always returned in time order here (see QuantizedStaticCache.ring_view)."""
-        return None
-
     def attend_window(self, layer: int, k, v):
         """What attention reads for this call's K/V: (keys, values, mask or None)."""
         if self.should_update:
@@ -225,7 +220,8 @@ def describe_plan(plans: list[LayerPlan]) -> str:
 
 
 class QuantizedStaticCache(CacheUpdates):
-    """The StaticCache contract over any codec x scale policy x layout, plus sharing and guards.
+    """The StaticCache contract over any codec x scale policy x time-ordered layout (roll,
+    pointer), plus sharing and guards. (The in-place layout is the tensor-state ring, ring.py.)
 
     Per owner layer, a ``FrameStore`` holds K and V ``[b, h, C, tpf, dh/pack]`` and their
     scales in the same frame slots. Every layout returns the same window as the bf16 roll
@@ -268,10 +264,8 @@ class QuantizedStaticCache(CacheUpdates):
                     dtypes[f"{name}_scale"] = self.dtype
             self.stores[p.layer] = FrameStore(p.capacity, shapes, dtypes, self.device)
             self.quant[p.layer] = (kq, vq)
-        self._shared: dict[int, tuple] = {}  # owner -> (k, v, in place?) of its latest call
-        self._last_read: dict[int, bool | None] = {}  # owner -> None (time order) or the ring read's pending flag
+        self._shared: dict[int, tuple] = {}  # owner -> (k, v) of its latest call
         self._work_bufs: dict[tuple, tuple] = {}
-        self._slot_index: dict[int, torch.Tensor] = {}  # slot -> the same index on the device (any store)
         # Tail-only reads: an owner reads what the widest reader of its group can see.
         self._group_window = {i: max(q.window for q in self.plans if q.owner == i) for i in self.stores}
         self._lends = {i: any(q.owner == i and q.layer != i for q in self.plans) for i in self.stores}
@@ -445,119 +439,27 @@ class QuantizedStaticCache(CacheUpdates):
         return torch.cat([hist[0], new[0]], dim=2), torch.cat([hist[1], new[1]], dim=2)
 
     def attend_window(self, layer: int, k=None, v=None):
-        """(keys, values, mask) for this layer's attention; writes the call's K/V when updates are on.
-
-        Chronological layouts (and any multi-frame call) return time-ordered K/V ending with
-        this call's frames. ``inplace`` single-frame calls put the frame into its ring slot and
-        return the whole ring: attention is order-invariant over keys (K is stored after RoPE),
-        so the only thing it needs is a mask over empty or out-of-window slots (None when full).
-        """
+        """(keys, values, None) for this layer's attention: time-ordered K/V ending with this call's
+        frames, each passed through the codec as a write would; the call's K/V are written when
+        updates are on. A borrowing layer (kv_share) passes none and reads its owner's."""
         p = self.plans[layer]
         if p.owner != layer:
-            keys, values, pending = self._shared[p.owner]
-            return keys, values, None if pending is None else self._ring_mask(layer, pending)
+            keys, values = self._shared[p.owner]
+            return keys, values, None
         n = self._check(layer, k, v)
         store = self.stores[layer]
-        if self.layout.in_place and n == 1:
-            keys, values = self._ring_frame(layer, store, k, v)
-            out = (keys, values, not self.should_update)
-            mask = self._ring_mask(layer, out[2])
-        else:
-            items = self._encode(layer, k, v, commit=self.should_update)
-            m = self._history(layer, n)
-            work = self.work_buffers(m + n)  # history then this call's frames, decoded side by side
-            self._decode(layer, self.layout.read(store, m), work)
-            keys, values = self._decode(layer, items, work, at=m)
-            if self.should_update:
-                self._write(layer, items, n, k, v)
-            out, mask = (keys, values, None), None
+        items = self._encode(layer, k, v, commit=self.should_update)
+        m = self._history(layer, n)
+        work = self.work_buffers(m + n)  # history then this call's frames, decoded side by side
+        self._decode(layer, self.layout.read(store, m), work)
+        keys, values = self._decode(layer, items, work, at=m)
+        if self.should_update:
+            self._write(layer, items, n, k, v)
         if self.shadow is not None:
-            self._checksum(layer, keys, values, out[2], k, v)
+            self._checksum(layer, keys, values, k, v)
         if self._lends[layer]:
-            self._shared[layer] = out
-        self._last_read[layer] = out[2]
-        return keys, values, mask
-
-    def _ring_frame(self, layer, store, k, v):
-        """This call's frame into the slot the next write uses (empty, or the oldest frame, which
-        no query of this group can see any more: capacity = the group's window), and the whole
-        ring as attention reads it: bf16 tensors as they are, quantized ones decoded into
-        working buffers."""
-        quantizers = self.quant[layer]
-        work = self.work_buffers(store.capacity) if any(q.quantized for q in quantizers) else None
-        fused = work is not None and self._fused_ring_step(layer, store, k, v, work)
-        items = None if fused else self._encode(layer, k, v, commit=self.should_update)
-        self.ring_written(layer, self.should_update, items, k, v)
-        if work is not None and not fused:
-            return self._decode(layer, store.bufs, work)
-        return [w if q.quantized else store.bufs[name].flatten(2, 3)
-                for name, q, w in zip("kv", quantizers, work or (None, None))]
-
-    def ring_written(self, layer: int, commit: bool, items: dict | None = None, k=None, v=None):
-        """One frame into the in-place ring's pointer slot (``items`` None: a kernel already wrote
-        its data there): committed, it joins the history; otherwise it is a scratch frame that the
-        next write (step 2 of this frame) replaces."""
-        store = self.stores[layer]
-        if commit:
-            self._write(layer, items, 1, k, v)
-            return
-        slot = self.layout.pointer(store)
-        for name in store.bufs:
-            Layout._put(store, name, None if items is None else items[name], slot, store.written)
-        if store.length == store.capacity:
-            store.length -= 1  # the oldest frame's slot now holds this call's frame
-
-    def _fused_ring_step(self, layer, store, k, v, work) -> bool:
-        """With compile on: encode, write and decode K and V of one frame in one compiled call
-        (amax policies). False, with nothing done, where it does not apply or cannot compile."""
-        kq, vq = self.quant[layer]
-        if not (self.fused_kernels and kq.one_pass and vq.one_pass and (kq.quantized or vq.quantized)):
-            return False
-        slot = self.layout.pointer(store)
-        index = self._slot_index.get(slot)
-        if index is None:
-            index = self._slot_index[slot] = torch.tensor([slot], device=self.device)
-        rings = [out.view(*store.bufs[name].shape[:-1], -1) for name, out in zip("kv", work)]
-        after = [q.quantized and not q.decodes_in_ring_step(self.device, self.dtype) for q in (kq, vq)]
-        args = [(self._frames(x), store.bufs[name], store.bufs.get(f"{name}_scale"), index,
-                 None if later else ring, q.tally_tensor(x.device) if q.quantized else None,
-                 q.codec, q.policy.dims, q.policy.floor)
-                for name, q, x, ring, later in zip("kv", (kq, vq), (k, v), rings, after)]
-        done, tallies = RING_STEP[(vq if vq.quantized else kq).codec.name](*args)
-        for name, q, ring, later in zip("kv", (kq, vq), rings, after):
-            if done and later:
-                q.decode(store.bufs[name], store.bufs[f"{name}_scale"], self.dtype, out=ring)
-        if done and self.should_update:  # counters describe what entered the cache
-            for q, x, tally in ((kq, k, tallies[0]), (vq, v, tallies[1])):
-                q.committed(x.numel(), tally)
-        return done
-
-    def ring_view(self, layer: int):
-        """How the keys of this layer's latest read are ordered: None for time order, or
-        (slot of the query frame, visible slots or None for all) for a ring read in place."""
-        owner = self.plans[layer].owner
-        pending = self._last_read.get(owner)
-        if pending is None:
-            return None
-        capacity = self.stores[owner].capacity
-        frames = self._visible_frames(layer, pending)
-        slots = None if len(frames) == capacity else tuple(sorted(f % capacity for f in frames))
-        return frames[-1] % capacity, slots
-
-    def _visible_frames(self, layer: int, pending: bool) -> range:
-        """Absolute frames a single-frame query of ``layer`` sees in the ring after its call."""
-        store, window = self.stores[self.plans[layer].owner], self.plans[layer].window
-        cur = store.written if pending else store.written - 1
-        present = store.length + (1 if pending else 0)
-        return range(cur - min(present, window) + 1, cur + 1)
-
-    def _ring_mask(self, layer: int, pending: bool):
-        store = self.stores[self.plans[layer].owner]
-        frames = self._visible_frames(layer, pending)
-        if len(frames) == store.capacity:
-            return None  # steady state: every slot is visible, attention needs no mask
-        slots = tuple(sorted(f % store.capacity for f in frames))
-        return _slot_mask(store.capacity, self.tpf, slots, str(self.device))
+            self._shared[layer] = (keys, values)
+        return keys, values, None
 
     @torch.no_grad()
     def truncate(self, frames: int):
@@ -590,44 +492,19 @@ class QuantizedStaticCache(CacheUpdates):
         """One line once the checksum window is over (None before, or without checksum)."""
         if self.guard < 2 or self.shadow is not None or not self.checksum_log:
             return None
-        frames = {f for f, *_ in self.checksum_log}
-        frame, layer, diff, size = max(self.checksum_log, key=lambda r: r[2] / max(r[3], 1e-30))
-        share = diff / max(size, 1e-30)
-        # Without clipping scales, a value is off by at most its codec's rounding (relative to the
-        # largest |K/V| it is scaled by) plus the bf16 read-out.
-        plans = [*(p.k for p in self.plans), *(p.v for p in self.plans)]
-        codec = max((c for c, _ in plans), key=lambda c: ROUNDING[c])
-        bound = ROUNDING[codec] + ROUNDING["bf16"]
-        if any(policy.clips for c, policy in plans if c != "bf16"):
-            verdict = "scales that clip (percentile, EMA) allow larger errors: no rounding bound to check"
-        elif share <= bound:
-            verdict = f"within {codec}'s rounding (at most {bound:.2%})"
-        else:
-            verdict = f"ABOVE {codec}'s rounding ({bound:.2%}): the cache is corrupted"
-        return (f"[owl] ring guard checksum: {len(frames)} frames x {len(self.stores)} layers, max |K/V - bf16 roll| "
-                f"= {diff:.3g} = {share:.2%} of the largest |K/V| (frame {frame}, layer {layer}): {verdict}; "
-                "invariants held")
+        return checksum_report(self.checksum_log, self.plans, len(self.stores))
 
-    def _checksum(self, layer, keys, values, pending, k, v):
-        """Compare the assembled window with the bf16 shadow's for the first N frames."""
+    def _checksum(self, layer, keys, values, k, v):
+        """Compare the assembled window with the float32 shadow's for the first N frames."""
         frame = self.stores[layer].written
         if self._checksum_start is None:
             self._checksum_start = frame
         if frame >= self.guard - 1 + self._checksum_start:
-            self.shadow = None  # done: the shadow costs a full bf16 cache
+            self.shadow = None  # done: the shadow costs a full float32 cache
             return
-        if pending is None:
-            ref_k, ref_v = self.shadow.get(layer) if self.should_update else self.shadow.get(layer, k.float(), v.float())
-            n = keys.shape[2]
-            ref_k, ref_v = ref_k[:, :, -n:], ref_v[:, :, -n:]
-        else:  # ring order -> compare slot by slot against the shadow's frames
-            store = self.stores[layer]
-            ref = self.shadow.get(layer) if self.should_update else self.shadow.get(layer, k.float(), v.float())
-            frames = self._visible_frames(layer, pending)
-            pick = torch.cat([torch.arange(f % store.capacity * self.tpf, (f % store.capacity + 1) * self.tpf)
-                              for f in frames])
-            keys, values = keys[:, :, pick], values[:, :, pick]
-            ref_k, ref_v = ref[0][:, :, -len(pick):], ref[1][:, :, -len(pick):]
+        ref_k, ref_v = self.shadow.get(layer) if self.should_update else self.shadow.get(layer, k.float(), v.float())
+        n = keys.shape[2]
+        ref_k, ref_v = ref_k[:, :, -n:], ref_v[:, :, -n:]
         diff = max((keys.float() - ref_k).abs().max().item(), (values.float() - ref_v).abs().max().item())
         size = max(ref_k.abs().max().item(), ref_v.abs().max().item())
         self.checksum_log.append((frame, layer, diff, size))
@@ -637,23 +514,23 @@ class QuantizedStaticCache(CacheUpdates):
 ROUNDING = {"bf16": 2.0**-8, "int8": 1 / 254, "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3, "int4": 1 / 14}
 
 
-@lru_cache(maxsize=256)
-def _slot_mask(capacity: int, tpf: int, slots: tuple, device: str) -> torch.Tensor:
-    mask = torch.zeros(capacity, dtype=torch.bool)
-    mask[list(slots)] = True
-    return mask.repeat_interleave(tpf)[None].to(device)  # [1, C*tpf]: broadcast over queries
-
-
-def build_cache(config: ModelConfig, settings, window_frames: int, batch_size: int = 1, plans=None):
-    """The cache the settings ask for: None (kv_cache "none"), the plain bf16 roll
-    ``StaticCache``, or a ``QuantizedStaticCache`` with its per-layer plan (``plans``, if
-    already made from the same settings)."""
-    if settings.kv_cache == "none":
-        return None
-    kv = settings.kv
-    if kv == KVSettings():
-        return StaticCache(config, window_frames, batch_size, settings.device, settings.dtype)
-    plans = plans or plan_layers(config, kv, window_frames)
-    return QuantizedStaticCache(config, plans, kv.ring_mode, batch_size, settings.device, settings.dtype,
-                                tail_only=kv.tail_only, scratch=kv.ring_scratch, guard=kv.guard,
-                                fused_kernels=settings.compile)
+def checksum_report(log: list[tuple[int, int, float, float]], plans: list[LayerPlan], layers: int) -> str:
+    """The guard's checksum line: the largest difference from the float32 shadow over the frames
+    of ``log`` (frame, layer, max |diff|, max |K/V|), against the plans' codecs' rounding."""
+    frames = {f for f, *_ in log}
+    frame, layer, diff, size = max(log, key=lambda r: r[2] / max(r[3], 1e-30))
+    share = diff / max(size, 1e-30)
+    # Without clipping scales, a value is off by at most its codec's rounding (relative to the
+    # largest |K/V| it is scaled by) plus the bf16 read-out.
+    codecs = [*(p.k for p in plans), *(p.v for p in plans)]
+    codec = max((c for c, _ in codecs), key=lambda c: ROUNDING[c])
+    bound = ROUNDING[codec] + ROUNDING["bf16"]
+    if any(policy.clips for c, policy in codecs if c != "bf16"):
+        verdict = "scales that clip (percentile, EMA) allow larger errors: no rounding bound to check"
+    elif share <= bound:
+        verdict = f"within {codec}'s rounding (at most {bound:.2%})"
+    else:
+        verdict = f"ABOVE {codec}'s rounding ({bound:.2%}): the cache is corrupted"
+    return (f"[owl] ring guard checksum: {len(frames)} frames x {layers} layers, max |K/V - bf16 roll| "
+            f"= {diff:.3g} = {share:.2%} of the largest |K/V| (frame {frame}, layer {layer}): {verdict}; "
+            "invariants held")

@@ -7,13 +7,14 @@ scales cannot part from its tokens (the ring bug of the original); guards compar
 
     roll     slots in time order; a full store rolls every buffer by the new frames (the original)
     pointer  ring: frame f lives in slot f % C; reads gather time order with a fixed-shape index
-    inplace  the same ring, read in place by attention (see QuantizedStaticCache.attend_window)
+
+(The in-place layout, a ring attention reads as it lies, is the tensor-state ring: ring.py.)
 """
 from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("roll", "pointer", "inplace")
+LAYOUTS = ("roll", "pointer")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,6 @@ class FrameStore:
 
 class Layout:
     name = ""
-    in_place = False  # attention reads the storage as is (no time order)
 
     def write(self, store: FrameStore, items: dict[str, torch.Tensor], n: int):
         raise NotImplementedError
@@ -58,12 +58,10 @@ class Layout:
         raise NotImplementedError
 
     @staticmethod
-    def _put(store: FrameStore, name: str, item: torch.Tensor | None, start: int, first_frame: int):
-        """Write frames item[:, :, i] to slots start + i (contiguous), tags following; ``item``
-        None: one frame a fused kernel already wrote into slot ``start`` (tag only)."""
-        n = 1 if item is None else item.shape[2]
-        if item is not None:
-            store.bufs[name][:, :, start:start + n] = item
+    def _put(store: FrameStore, name: str, item: torch.Tensor, start: int, first_frame: int):
+        """Write frames item[:, :, i] to slots start + i (contiguous), tags following."""
+        n = item.shape[2]
+        store.bufs[name][:, :, start:start + n] = item
         store.tags[name][start:start + n] = torch.arange(first_frame, first_frame + n)
 
 
@@ -106,27 +104,22 @@ class RollLayout(Layout):
 class RingLayout(Layout):
     """Frame f lives in slot f % C: the write pointer is ``written % C``; nothing ever moves."""
 
-    def __init__(self, name: str = "pointer", scratch: bool = True):
-        self.name, self.in_place, self.scratch = name, name == "inplace", scratch
+    name = "pointer"
+
+    def __init__(self, scratch: bool = True):
+        self.scratch = scratch
         self._index: dict[tuple, torch.Tensor] = {}
 
     def pointer(self, store) -> int:
         return store.written % store.capacity
 
     def write(self, store, items, n):
-        """``items`` None: a fused kernel already wrote one frame into the pointer's slot."""
         c = store.capacity
         m = min(n, c)
         first = store.written + n - m
         start = first % c
         head = min(m, c - start)  # up to the end of the ring, then wrap to slot 0
-        if items is None:
-            assert n == 1, "a fused ring write holds one frame"
-            items = dict.fromkeys(store.bufs)
         for name, item in items.items():
-            if item is None:
-                self._put(store, name, None, start, first)
-                continue
             item = item[:, :, n - m:]
             self._put(store, name, item[:, :, :head], start, first)
             if head < m:
@@ -169,6 +162,6 @@ class RingLayout(Layout):
 def make_layout(name: str, scratch: bool = True) -> Layout:
     if name == "roll":
         return RollLayout()
-    if name in ("pointer", "inplace"):
-        return RingLayout(name, scratch)
+    if name == "pointer":
+        return RingLayout(scratch)
     raise ValueError(f"unknown cache layout {name!r}; choose one of {LAYOUTS}")

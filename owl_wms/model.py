@@ -171,6 +171,8 @@ class DiTBlock(nn.Module):
             # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
             q = self._pre_q(x, cond, *rope)
             k, v, mask = kv_cache.attend_window(self.attn.layer)
+            if mask is not None:  # a frame over the ring, under this layer's window
+                return self._post(x, cond, q, k, v, mask, None, "ring")
         elif kv_cache is not None and kv_cache.on_device:
             # A frame's ring mask carries each row's bias (a tensor: no host value in the call); a
             # history's keys come in time order and take the rule and the bias below.
@@ -183,11 +185,9 @@ class DiTBlock(nn.Module):
             k, v, mask = self.attn.with_cache(k, v, kv_cache)
         window = self.attn.effective_window(window_cap, cond.shape[1], decode_from)
         if bias:  # soft forgetting: an additive mask replaces the boolean rule (zero bias: untouched)
-            ring = kv_cache.ring_view(self.attn.layer) if kv_cache is not None else None
             tpf = self.attn.tpf
             bias = tuple(map(float, bias)) if isinstance(bias, tuple) else float(bias)
-            mask = history_bias_mask(q.shape[2] // tpf, k.shape[2] // tpf, tpf, window, bias, ring,
-                                     q.dtype, str(q.device))
+            mask = history_bias_mask(q.shape[2] // tpf, k.shape[2] // tpf, tpf, window, bias, q.dtype, str(q.device))
         return self._post(x, cond, q, k, v, mask, window, backend)
 
     _pre = pre_attention

@@ -200,7 +200,7 @@ def _int8_decode(q: list[torch.Tensor], scale: list[torch.Tensor], out: list[tor
 # operator, which Inductor leaves as it is: there Inductor's CPU code loads int8 eight bytes at a
 # time through a scalar copy (at::vec's partial ``loadu``) and ran the decode 2-2.6x slower than
 # ATen; on an AVX512 CPU its own cast ran 3x faster than ATen's (``python -m scripts.bench_kv
-# --decode-only``, docs/kv_modes.md). The products are the same: one rounding each. The
+# --decode-only``, docs/results.md). The products are the same: one rounding each. The
 # operator takes lists, so a layer's K and V cost one call from compiled code.
 INT8_DECODE_BY_ATEN = torch.backends.cpu.get_cpu_capability() != "AVX512"
 _OPS = torch.library.Library("owl_wms", "DEF")
@@ -290,42 +290,6 @@ class Fp8Decode:
         return self.rescale(out, scale, codec.unbias)  # not done: the eager decode redoes ``out`` whole
 
 
-def _ring_tensor(x, buf, scale_buf, slot, out, tally, codec: Codec, dims: tuple, floor: float):
-    """One frame ``x`` [b, h, 1, tpf, dh] into ring slot ``slot`` (a one-element index) of
-    ``buf`` with its scales, then the whole ring decoded into ``out`` (None: the caller decodes
-    afterwards, for a split decode that beats the in-kernel cast); returns ``tally`` advanced by this
-    frame's saturated and non-finite inputs. A bf16 ring is only written: attention reads it as
-    it is."""
-    if codec.qmax is None:
-        buf.index_copy_(2, slot, x)
-        return tally
-    scale, q, counts = _scale_and_quantize(x, codec, dims, floor, scale_buf.dtype, True)
-    buf.index_copy_(2, slot, q)
-    scale_buf.index_copy_(2, slot, scale)
-    if out is not None:
-        (_int4_unpack if codec.pack == 2 else _scaled_cast)(buf, scale_buf, out)
-    return tally + counts
-
-
-# The whole cache work of one layer for one generated frame in the inplace layout, K and V:
-# encode, write into the ring, decode the ring, in one compiled call (one launch overhead).
-# One function per codec family, so that each has its own compile cache.
-def _ring_step_int8(k_args: tuple, v_args: tuple):
-    return _ring_tensor(*k_args), _ring_tensor(*v_args)
-
-
-def _ring_step_fp8_e4m3(k_args: tuple, v_args: tuple):
-    return _ring_tensor(*k_args), _ring_tensor(*v_args)
-
-
-def _ring_step_fp8_e5m2(k_args: tuple, v_args: tuple):
-    return _ring_tensor(*k_args), _ring_tensor(*v_args)
-
-
-def _ring_step_int4(k_args: tuple, v_args: tuple):
-    return _ring_tensor(*k_args), _ring_tensor(*v_args)
-
-
 def eager_division() -> dict:
     """Inductor options that make compiled fp32 division round like eager's. Triton's ``/`` is an
     approximate division (up to 2 ulp), so on CUDA a compiled ``x / scale`` picked other codes
@@ -366,15 +330,11 @@ class Fused:
 
 
 _ENCODE_FP8, _DECODE_FP8 = Fused(_encode_fp8), Fused(_decode_fp8)
-# codec -> (encode, decode). On this CPU Inductor's e4m3 cast inside the one-kernel ring step
-# costs less than eager bit placement plus a rescale kernel after it, while its e5m2 cast costs
-# more (bench_kv's e5m2 decode rows), so only e5m2 takes the split decode.
+# codec -> (encode, decode). On this CPU Inductor's e5m2 cast costs more than eager bit placement
+# plus a rescale kernel after it (bench_kv's e5m2 decode rows), so e5m2 takes the split decode.
 FUSED = {"int8": (Fused(_encode_int8), Fused(_decode_int8)), "fp8_e4m3": (_ENCODE_FP8, _DECODE_FP8),
          "fp8_e5m2": (_ENCODE_FP8, Fp8Decode("fp8_e5m2", Fused(_rescale_fp8), _DECODE_FP8)),
          "int4": (Fused(_encode_int4), Fused(_int4_unpack))}
-# codec of the values (or of the keys, if only they are quantized) -> fused inplace ring step
-RING_STEP = {"int8": Fused(_ring_step_int8), "fp8_e4m3": Fused(_ring_step_fp8_e4m3),
-             "fp8_e5m2": Fused(_ring_step_fp8_e5m2), "int4": Fused(_ring_step_int4)}
 
 
 @functools.lru_cache(maxsize=None)  # codecs hold no state: one shared instance per name
@@ -531,12 +491,6 @@ class Quantizer:
         if commit:
             self.committed(x.numel(), self.tally + counts)
         return q, scale
-
-    def decodes_in_ring_step(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """A fused ring step decodes this tensor inside its one kernel; otherwise the step only
-        writes it and ``decode`` follows (fp8 on CPU: part of that decode is eager)."""
-        fd = self.fused_decode
-        return isinstance(fd, Fused) or (isinstance(fd, Fp8Decode) and fd.one_kernel(device, dtype))
 
     def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, out=None) -> torch.Tensor:
         if self.fused_decode is not None:

@@ -15,30 +15,31 @@ one; only the counter tells them apart. The slot a frame overwrites held the fra
 it, which no query of the layer sees any more, so nothing else needs tracking. A multi-frame
 call (a history after a reset) attends over its own frames in time order and writes the last
 C into the ring.
+
+Every in-place mode lives here: any codec, scales from the frame alone (amax or a percentile)
+or with memory (per-head running max or EMA, smoothing: each row's last committed scale is a
+tensor, followed only where the row commits), layers that read their group owner's ring
+(kv_share, each under its own window), and the guard (``guard``: slot tags and frame counts
+checked after every eager write; ``checksum:N``: the first N frames compared with a float32
+shadow cache).
 """
 from __future__ import annotations
 
 import torch
 
 from .attention import frame_visible
-from .cache import LayerPlan
-from .quant import Codec, ScalePolicy, _int4_unpack, _scale_and_quantize, make_codec, scaled_decode
+from .cache import LayerPlan, QuantizedStaticCache, RingGuardError, StaticCache, checksum_report, plan_layers
+from .quant import (Codec, ScalePolicy, _int4_unpack, _quantize, _scale_and_quantize, make_codec, scaled_decode,
+                    stored_scale)
+from .settings import KVSettings
 
 
-def ring_blocker(plans: list[LayerPlan] | None, ring_mode: str, guard: int) -> str | None:
+def ring_blocker(plans: list[LayerPlan] | None, ring_mode: str) -> str | None:
     """Why these cache plans need the host-side caches of cache.py (None: the ring takes them)."""
     if plans is None:
         return "no KV cache"
     if ring_mode != "inplace":
-        return f"ring_mode is {ring_mode}, not inplace"
-    if guard:
-        return "the ring guard checks every write on the host"
-    for p in plans:
-        if p.owner != p.layer:
-            return "layers share K/V (kv_share)"
-        for codec, policy in (p.k, p.v):
-            if codec != "bf16" and (policy.temporal or policy.percentile not in (None, 100)):
-                return f"{policy.describe()} scales depend on earlier frames or percentiles"
+        return f"ring_mode is {ring_mode}, not inplace (the host-side caches keep frames in time order)"
     return None
 
 
@@ -49,27 +50,63 @@ class RingTensor:
     def __init__(self, codec: Codec, policy: ScalePolicy, shape: tuple, dtype: torch.dtype, device, tensors=None):
         self.codec, self.policy, self.dtype = codec, policy, dtype
         self.quantized = codec.qmax is not None
+        self.temporal = self.quantized and policy.temporal  # scales follow the row's last committed one
         if tensors is not None:  # a view of some rows of another ring
-            self.data, self.scale, self.work = tensors
+            self.data, self.scale, self.work, self.prev, self.has_prev = tensors
             return
         rows, heads, capacity, tpf, dh = shape
         stored = (rows, heads, capacity, tpf, codec.stored_dim(dh))
         self.data = torch.zeros(stored, dtype=codec.storage_dtype(dtype), device=device)
-        self.scale = self.work = None
+        self.scale = self.work = self.prev = self.has_prev = None
         if self.quantized:
             self.scale = torch.zeros((rows, heads, capacity, *policy.scale_shape(tpf, dh)), dtype=dtype, device=device)
             self.work = torch.zeros((rows, heads, capacity * tpf, dh), dtype=dtype, device=device)
+        if self.temporal:
+            self.prev = torch.zeros((rows, heads, 1, *policy.scale_shape(tpf, dh)), device=device)
+            self.has_prev = torch.zeros(rows, dtype=torch.bool, device=device)
 
     def rows(self, index: slice) -> "RingTensor":
         return RingTensor(self.codec, self.policy, (), self.dtype, None,
-                          tuple(None if t is None else t[index] for t in (self.data, self.scale, self.work)))
+                          tuple(None if t is None else t[index]
+                                for t in (self.data, self.scale, self.work, self.prev, self.has_prev)))
 
-    def encode(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Frames [b, h, n, tpf, dh] as stored (and their scales)."""
+    def encode(self, frames: torch.Tensor, commit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Frames [b, h, n, tpf, dh] as stored (and their scales); ``commit`` [b]: the rows whose
+        frames enter the history (their scales become the ones later frames follow)."""
+        p = self.policy
         if not self.quantized:
             return frames.to(self.data.dtype), None
-        scale, q, _ = _scale_and_quantize(frames, self.codec, self.policy.dims, self.policy.floor, self.dtype, False)
-        return q, scale
+        if not p.temporal and p.percentile in (None, 100):  # amax of the frame: one pass
+            scale, q, _ = _scale_and_quantize(frames, self.codec, p.dims, p.floor, self.dtype, False)
+            return q, scale
+        xf = frames.float()
+        raw = p.reduce(xf) / self.codec.qmax
+        scale = stored_scale(self._follow(raw, commit) if p.temporal else raw.clamp_min(p.floor), self.dtype)
+        q, _ = _quantize(xf, scale, self.codec, False, p.clips)
+        return q, scale.to(self.dtype)
+
+    def _follow(self, raw: torch.Tensor, commit: torch.Tensor) -> torch.Tensor:
+        """Scales with memory, frame by frame: per head the running max or EMA of the last scale,
+        and smoothing's floor of a share of it, where the row has a last scale."""
+        p, prev, valid = self.policy, self.prev, self.has_prev[:, None, None, None, None]
+        out = []
+        for i in range(raw.shape[2]):
+            s = follow = raw[:, :, i:i + 1]
+            if p.granularity == "head":
+                follow = torch.maximum(follow, prev) if p.ema is None else p.ema * prev + (1 - p.ema) * follow
+            if p.smooth:
+                follow = torch.maximum(follow, p.smooth * prev)
+            s = torch.where(valid, follow, s).clamp_min(p.floor)
+            out.append(s)
+            prev, valid = s, torch.ones_like(valid)
+        self.prev.copy_(torch.where(commit[:, None, None, None, None], prev, self.prev))
+        self.has_prev |= commit
+        return torch.cat(out, dim=2)
+
+    def restart(self) -> None:
+        """A reset row follows no earlier scale."""
+        if self.temporal:
+            self.has_prev.zero_()
 
     def decode(self, q: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         if not self.quantized:
@@ -106,6 +143,11 @@ class RingTensor:
         """The whole ring as attention reads it: [rows, h, C * tpf, dh]."""
         return self.work if self.quantized else self.data.flatten(2, 3)
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """What a snapshot keeps: stored frames, scales, the temporal scale state."""
+        names = ("data", "scale", "prev", "has_prev")
+        return {n: t for n, t in zip(names, (self.data, self.scale, self.prev, self.has_prev)) if t is not None}
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
 
@@ -114,84 +156,128 @@ class RingTensor:
 
 
 class RingLayer:
-    """One layer's ring: K and V in ``capacity`` frame slots; frame f lives in slot f mod C."""
+    """One owner layer's ring: K and V in ``capacity`` frame slots; frame f lives in slot f mod C.
+    ``tags`` (the guard): the absolute frame each slot holds, written with the same index."""
 
-    def __init__(self, plan: LayerPlan, rows: int, heads: int, tpf: int, head_dim: int, dtype, device, views=None):
+    def __init__(self, plan: LayerPlan, rows: int, heads: int, tpf: int, head_dim: int, dtype, device, views=None,
+                 tags: bool = False):
         self.plan, self.capacity, self.window, self.tpf = plan, plan.capacity, plan.window, tpf
         if views is not None:
-            self.k, self.v = views
+            self.k, self.v, self.tags = views
             return
         shape = (rows, heads, plan.capacity, tpf, head_dim)
         self.k = RingTensor(make_codec(plan.k[0]), plan.k[1], shape, dtype, device)
         self.v = RingTensor(make_codec(plan.v[0]), plan.v[1], shape, dtype, device)
+        self.tags = torch.full((rows, plan.capacity), -1, dtype=torch.int64, device=device) if tags else None
 
     def rows(self, index: slice) -> "RingLayer":
-        return RingLayer(self.plan, 0, 0, self.tpf, 0, None, None, (self.k.rows(index), self.v.rows(index)))
+        return RingLayer(self.plan, 0, 0, self.tpf, 0, None, None,
+                         (self.k.rows(index), self.v.rows(index), None if self.tags is None else self.tags[index]))
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, written: torch.Tensor):
+    def write(self, k: torch.Tensor, v: torch.Tensor, written: torch.Tensor, commit: torch.Tensor):
         """This call's K/V [b, h, n*tpf, dh] into the slots of frames written[b] + 0..n-1 (the
         last C of them); returns what attention reads of this call's frames: (keys, values) as
         stored and decoded, in time order."""
         b, heads, tokens, dh = k.shape
         n = tokens // self.tpf
-        stored = [ring.encode(x.view(b, heads, n, self.tpf, dh)) for ring, x in zip((self.k, self.v), (k, v))]
+        stored = [ring.encode(x.view(b, heads, n, self.tpf, dh), commit) for ring, x in zip((self.k, self.v), (k, v))]
         m = min(n, self.capacity)
-        slots = torch.remainder(written[:, None] + (n - m) + torch.arange(m, device=k.device), self.capacity)
+        frames = written[:, None] + (n - m) + torch.arange(m, device=k.device)
+        slots = torch.remainder(frames, self.capacity)
         rows = torch.arange(b, device=k.device)[:, None]
         # a history's frames are decoded once: attention reads them, the ring keeps the last C
         decoded = [None, None] if n == 1 else [ring.decode(q, scale) for ring, (q, scale) in zip((self.k, self.v), stored)]
         for ring, (q, scale), d in zip((self.k, self.v), stored, decoded):
             ring.put(rows, slots, q[:, :, n - m:], None if scale is None else scale[:, :, n - m:],
                      None if d is None else d[:, :, n - m:])
+        if self.tags is not None:
+            self.tags[rows, slots] = frames
         return None if n == 1 else [d.flatten(2, 3) for d in decoded]
 
     def ring(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.ring(), self.v.ring()
 
-    def mask(self, written: torch.Tensor, bias: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def mask(self, written: torch.Tensor, bias: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor:
         """Additive mask [b, 1, 1, C*tpf] of a frame at index written[b] over the ring after its
-        write: the frame rule on the absolute frame each slot holds (slots never written hold
-        frames below 0), the bias on history keys, 0 on the frame's own."""
+        write, for a layer that sees ``window`` frames: the frame rule on the absolute frame each
+        slot holds (slots never written hold frames below 0), the bias on history keys, 0 on the
+        frame's own."""
         age = torch.remainder(written[:, None] - slots, self.capacity)  # [b, C]; 0: this frame
         key = written[:, None] - age
-        visible = frame_visible(written[:, None], key, self.window) & (key >= 0)
+        visible = frame_visible(written[:, None], key, window) & (key >= 0)
         history = torch.where(age == 0, torch.zeros_like(bias)[:, None], bias[:, None])
         add = torch.where(visible, history, torch.full_like(history, float("-inf")))
         return add.repeat_interleave(self.tpf, dim=1)[:, None, None]
 
+    def check_tags(self, top: int, layer: int) -> None:
+        """The guard: row 0's slots hold the frames below ``top`` they should (f in slot f mod C)."""
+        c = self.capacity
+        slots = torch.arange(c, device=self.tags.device)
+        expect = top - 1 - torch.remainder(top - 1 - slots, c)
+        valid = expect >= max(0, top - c)
+        bad = (self.tags[0] != expect) & valid
+        if bool(bad.any()):
+            slot = int(bad.nonzero()[0, 0])
+            raise RingGuardError(f"layer {layer}: slot {slot} holds frame {int(self.tags[0, slot])}, expected frame "
+                                 f"{int(expect[slot])} (its tokens' frame): the ring's slots moved apart")
 
 class RingCache:
     """The tensor-state ring of every layer, ``rows`` sessions deep. Each row's state is one
     tensor: ``written`` [rows], the frames written since the row's reset. Every call writes every
-    layer, so it is at once the next frame's absolute index (its RoPE position) and the history's
-    length (layer l holds the last min(written, C_l) frames). ``commit`` [rows] says which rows'
-    calls enter the history (the sampler's last step: the others leave ``written`` as it was, so
-    the next call overwrites the same slots), ``bias`` [rows] their soft-forgetting bias, ``epoch``
-    [rows] counts resets. ``rows(i, j)`` is a view of rows i..j-1 (storage and state), so one
-    session's history is written alone while a batched call reads and writes them all."""
+    owner layer, so it is at once the next frame's absolute index (its RoPE position) and the
+    history's length (layer l holds the last min(written, C_l) frames). ``commit`` [rows] says which
+    rows' calls enter the history (the sampler's last step: the others leave ``written`` as it was,
+    so the next call overwrites the same slots), ``bias`` [rows] their soft-forgetting bias,
+    ``epoch`` [rows] counts resets. ``rows(i, j)`` is a view of rows i..j-1 (storage and state), so
+    one session's history is written alone while a batched call reads and writes them all. A
+    borrowing layer (kv_share) reads its owner's ring under its own window. ``guard`` (one row):
+    1 checks every eager write, N > 1 also compares the first N frames with a float32 shadow."""
 
     on_device = True  # the model reads positions and masks from tensors (model.py)
 
     def __init__(self, config, plans: list[LayerPlan], rows: int = 1, device="cpu", dtype=torch.bfloat16,
-                 layers: list | None = None, state: tuple | None = None):
+                 guard: int = 0, layers: list | None = None, state: tuple | None = None):
         self.config, self.plans, self.dtype, self.device = config, plans, dtype, torch.device(device)
-        self.tpf = config.tokens_per_frame
+        self.tpf, self.guard = config.tokens_per_frame, guard
         self._views: dict[tuple, RingCache] = {}
         self._masks: dict[tuple, torch.Tensor] = {}  # eager: one mask per (capacity, window) a call
+        self._own: dict[int, list | None] = {}  # owner -> a history call's own K/V, for its borrowers
+        self._lends = {p.owner for p in plans if p.owner != p.layer}
         if layers is not None:
             self.layers = layers
             self.written, self.commit, self.bias, self.epoch, self.slots = state
-            return
-        self.layers = [RingLayer(p, rows, config.n_heads, self.tpf, config.head_dim, dtype, self.device) for p in plans]
-        self.written = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.commit = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        self.bias = torch.zeros(rows, dtype=torch.float32, device=self.device)
-        self.epoch = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.slots = {p.capacity: torch.arange(p.capacity, device=self.device) for p in plans}
+        else:
+            if guard and rows != 1:
+                raise ValueError("the ring guard checks one session's ring; it runs with one row")
+            self.layers = [None] * len(plans)
+            for p in plans:
+                if p.owner == p.layer:
+                    self.layers[p.layer] = RingLayer(p, rows, config.n_heads, self.tpf, config.head_dim, dtype,
+                                                     self.device, tags=bool(guard))
+            for p in plans:
+                self.layers[p.layer] = self.layers[p.owner]
+            self.written = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.commit = torch.zeros(rows, dtype=torch.bool, device=self.device)
+            self.bias = torch.zeros(rows, dtype=torch.float32, device=self.device)
+            self.epoch = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.slots = {p.capacity: torch.arange(p.capacity, device=self.device) for p in plans}
+        self.owners = [layer for p, layer in zip(plans, self.layers) if p.owner == p.layer]
+        self.checksum_log: list[tuple[int, int, float, float]] = []  # (frame, layer, max |diff|, max |K/V|)
+        self._start_guard()
+
+    def _start_guard(self):
+        self._frames_seen = 0  # the guard's own count of row 0's committed frames
+        self.shadow = StaticCache(self.config, max(p.capacity for p in self.plans), 1, self.device,
+                                  torch.float32) if self.guard > 1 else None
+        self.checksum_log, self._checksum_start = [], None
 
     @property
     def n_rows(self) -> int:
         return self.written.shape[0]
+
+    @property
+    def max_frames(self) -> int:
+        return max(p.capacity for p in self.plans)
 
     def rows(self, first: int, end: int) -> "RingCache":
         """Rows first..end-1 as a cache of their own (views: writes land here). The same object
@@ -199,49 +285,98 @@ class RingCache:
         view = self._views.get((first, end))
         if view is None:
             index = slice(first, end)
+            layers = {id(layer): layer.rows(index) for layer in self.owners}
             view = self._views[(first, end)] = RingCache(
                 self.config, self.plans, dtype=self.dtype, device=self.device,
-                layers=[layer.rows(index) for layer in self.layers],
+                layers=[layers[id(layer)] for layer in self.layers],
                 state=(self.written[index], self.commit[index], self.bias[index], self.epoch[index], self.slots))
         return view
 
     # -- what the model reads ------------------------------------------------------------------------
     def borrows(self, layer: int) -> bool:
-        return False
-
-    def ring_view(self, layer: int):
-        """A history call's keys are in time order (a frame's call carries its own mask)."""
-        return None
+        return self.plans[layer].owner != layer
 
     def next_frame(self) -> torch.Tensor:
         """[rows] absolute index of each row's next frame: its RoPE position."""
         return self.written
 
-    def attend_window(self, layer: int, k, v):
-        """This call's K/V [b, h, n*tpf, dh] into layer ``layer``'s ring. One frame a row: the
-        whole ring with its additive mask [b, 1, 1, C*tpf] (the rows' ``bias`` inside). A history
-        (after a reset): its own frames in time order and None (the model applies the frame rule
-        and the call's bias)."""
-        ring = self.layers[layer]
+    def attend_window(self, layer: int, k=None, v=None):
+        """This call's K/V [b, h, n*tpf, dh] into layer ``layer``'s ring (a borrowing layer passes
+        none and reads its owner's). One frame a row: the whole ring with its additive mask
+        [b, 1, 1, C*tpf] (the rows' ``bias`` inside). A history (after a reset): its own frames in
+        time order and None (the model applies the frame rule and the call's bias)."""
+        plan, ring = self.plans[layer], self.layers[layer]
+        if k is None:  # a borrower: its owner wrote this call's frames
+            own = self._own.get(plan.owner)
+            return (own[0], own[1], None) if own is not None else (*ring.ring(), self._mask(ring, plan.window))
         if k.shape[2] > self.tpf and layer == 0 and bool(self.written.any()):  # eager: histories only
             raise ValueError("a multi-frame call over the ring writes a new history: reset the rows first "
                              "(a hard cut or a recompute does)")
-        own = ring.write(k, v, self.written)
+        own = ring.write(k, v, self.written, self.commit)
+        if layer in self._lends:
+            self._own[layer] = own
+        if self.guard and not torch.compiler.is_compiling():
+            self._check(layer, ring, k, v, own)
         if own is not None:
             return own[0], own[1], None
-        key = (ring.capacity, ring.window)
+        return (*ring.ring(), self._mask(ring, plan.window))
+
+    def _mask(self, ring: RingLayer, window: int) -> torch.Tensor:
+        key = (ring.capacity, window)
         mask = None if torch.compiler.is_compiling() else self._masks.get(key)
         if mask is None:
-            mask = ring.mask(self.written, self.bias, self.slots[ring.capacity])
+            mask = ring.mask(self.written, self.bias, self.slots[ring.capacity], window)
             if not torch.compiler.is_compiling():
                 self._masks[key] = mask
-        keys, values = ring.ring()
-        return keys, values, mask.to(keys.dtype)
+        return mask.to(ring.k.dtype)
 
     def advance(self, n: int):
         """After a call of ``n`` frames: committed rows' histories grow by them."""
+        if self.guard and not torch.compiler.is_compiling():
+            self._frames_seen += n * bool(self.commit[0])
         self.written.add_(self.commit.to(self.written.dtype) * n)
         self._masks.clear()
+        if self.guard and not torch.compiler.is_compiling() and int(self.written[0]) != self._frames_seen:
+            raise RingGuardError(f"offset {int(self.written[0]) * self.tpf} is not the {self._frames_seen * self.tpf} "
+                                 "tokens written")
+
+    # -- the guard -------------------------------------------------------------------------------------
+    def _check(self, layer: int, ring: RingLayer, k, v, own) -> None:
+        """After a write: the slots hold their frames; with a shadow, what attention reads matches it."""
+        n, commit = k.shape[2] // self.tpf, bool(self.commit[0])
+        if int(self.written[0]) != self._frames_seen:
+            raise RingGuardError(f"offset {int(self.written[0]) * self.tpf} is not the {self._frames_seen * self.tpf} "
+                                 "tokens written")
+        top = int(self.written[0]) + n  # frames in the ring after this write, a pending one included
+        ring.check_tags(top, layer)
+        if self.shadow is None:
+            return
+        frame = top if commit else top - n  # as the host-side cache counts: its frames after the write
+        if self._checksum_start is None:
+            self._checksum_start = frame
+        if frame >= self.guard - 1 + self._checksum_start:
+            self.shadow = None  # done: the shadow costs a full float32 cache
+            return
+        if commit:
+            self.shadow.update(k.float(), v.float(), layer)
+        ref = self.shadow.get(layer) if commit else self.shadow.get(layer, k.float(), v.float())
+        if own is not None:  # time order: the call's own frames are the shadow's last
+            keys, values = own
+        else:  # ring order: the visible slots, oldest first
+            visible = range(top - min(top, self.plans[layer].window), top)
+            pick = torch.cat([torch.arange(f % ring.capacity * self.tpf, (f % ring.capacity + 1) * self.tpf)
+                              for f in visible]).to(k.device)
+            keys, values = (x[:, :, pick] for x in ring.ring())
+        ref_k, ref_v = (r[:, :, -keys.shape[2]:] for r in ref)
+        diff = max((keys.float() - ref_k).abs().max().item(), (values.float() - ref_v).abs().max().item())
+        size = max(ref_k.abs().max().item(), ref_v.abs().max().item())
+        self.checksum_log.append((frame, layer, diff, size))
+
+    def guard_report(self) -> str | None:
+        """One line once the checksum window is over (None before, or without checksum)."""
+        if self.guard < 2 or self.shadow is not None or not self.checksum_log:
+            return None
+        return checksum_report(self.checksum_log, self.plans, len(self.owners))
 
     # -- what the engine drives --------------------------------------------------------------------
     def enable_cache_updates(self):
@@ -263,7 +398,15 @@ class RingCache:
             raise ValueError(f"this ring holds {self.n_rows} rows; reset a view of the rows (rows(i, j)) instead")
         self.written.zero_()
         self.epoch.add_(1)
+        for layer in self.owners:
+            layer.k.restart()
+            layer.v.restart()
+            if layer.tags is not None:
+                layer.tags.fill_(-1)
         self._masks.clear()
+        self._own.clear()
+        if self.guard:
+            self._start_guard()
         return self
 
     def get_offset(self, layer: int = 0) -> int:
@@ -274,23 +417,25 @@ class RingCache:
         return min(int(self.written[0]), self.layers[layer].capacity)
 
     def nbytes(self) -> int:
-        return sum(ring.nbytes() for layer in self.layers for ring in (layer.k, layer.v))
+        return sum(ring.nbytes() for layer in self.owners for ring in (layer.k, layer.v))
 
     def scale_nbytes(self) -> int:
-        return sum(ring.scale_nbytes() for layer in self.layers for ring in (layer.k, layer.v))
+        return sum(ring.scale_nbytes() for layer in self.owners for ring in (layer.k, layer.v))
 
     @property
     def shape(self):
         return tuple(self.layers[0].k.data.shape)
 
     def state_dict(self) -> tuple[dict, dict]:
-        """(tensors, metadata) of this view's rows: storage, scales and counters."""
+        """(tensors, metadata) of this view's rows: storage, scales, scale state and counters."""
         tensors = {}
         for i, layer in enumerate(self.layers):
+            if self.plans[i].owner != i:
+                continue
             for name, ring in (("k", layer.k), ("v", layer.v)):
-                tensors[f"{name}.{i}"] = ring.data
-                if ring.scale is not None:
-                    tensors[f"{name}_scale.{i}"] = ring.scale
+                tensors.update({f"{name}.{part}.{i}": t for part, t in ring.state().items()})
+            if layer.tags is not None:
+                tensors[f"tags.{i}"] = layer.tags
         tensors["written"], tensors["epoch"] = self.written, self.epoch
         return tensors, {"kind": "ring", "rows": self.n_rows}
 
@@ -304,7 +449,29 @@ class RingCache:
                              "(saved with other settings)")
         for name, dst in self.state_dict()[0].items():
             load_tensor(dst, tensors, name)
-        for layer in self.layers:
+        for layer in self.owners:
             for ring in (layer.k, layer.v):
                 ring.redecode()
         self._masks.clear()
+        self._own.clear()
+        if self.guard:
+            self._start_guard()
+            self.shadow = None  # a restored ring has no shadow of what it holds
+            self._frames_seen = int(self.written[0])
+
+
+def build_cache(config, settings, window_frames: int, rows: int = 1, plans: list[LayerPlan] | None = None):
+    """The cache the settings ask for: None (kv_cache "none"), the plain bf16 roll ``StaticCache``
+    (the original's), the in-place ring of ``rows`` sessions, or the host-side time-ordered
+    ``QuantizedStaticCache`` (roll, pointer); ``plans``: the per-layer plan, if already made."""
+    if settings.kv_cache == "none":
+        return None
+    kv = settings.kv
+    if kv == KVSettings():
+        return StaticCache(config, window_frames, rows, settings.device, settings.dtype)
+    plans = plans or plan_layers(config, kv, window_frames)
+    if kv.ring_mode == "inplace":
+        return RingCache(config, plans, rows, settings.device, settings.dtype, guard=kv.guard)
+    return QuantizedStaticCache(config, plans, kv.ring_mode, rows, settings.device, settings.dtype,
+                                tail_only=kv.tail_only, scratch=kv.ring_scratch, guard=kv.guard,
+                                fused_kernels=settings.compile)

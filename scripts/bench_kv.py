@@ -32,9 +32,9 @@ import time
 import torch
 
 from inference.flags import resolve_settings
-from owl_wms.cache import build_cache
 from owl_wms.config import PRODUCTION, ModelConfig
 from owl_wms.quant import Fused
+from owl_wms.ring import build_cache
 from owl_wms.settings import Settings
 
 from .common import machine, synchronizer, world_rows
@@ -100,6 +100,7 @@ class CacheFrames:
         self.cache.enable_cache_updates()
         for layer in range(cfg.n_layers):
             self.cache.attend_window(layer, hist, hist)  # prefill: a full window
+        self.advance(WINDOW)
         self.new = [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4)]
         self.count = 0
 
@@ -110,9 +111,16 @@ class CacheFrames:
         cache.disable_cache_updates()
         for layer in layers:
             cache.attend_window(layer, k1, k1)
+        self.advance(1)
         cache.enable_cache_updates()
         for layer in layers:
             cache.attend_window(layer, k2, k2)
+        self.advance(1)
+
+    def advance(self, frames: int):
+        """A ring's positions are tensors the model advances after each call (model.py)."""
+        if self.cache.on_device:
+            self.cache.advance(frames)
 
     def frame(self) -> float:
         self.sync()

@@ -18,8 +18,9 @@
 #    per-block compile and the model compiled whole, int8 and bf16 in-place rings, batched sessions;
 # 6. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model.
 #
-# Where the GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg, put their wheels
-# in .whl/ beside the repository (docs/turning.md says how); they are installed to /tmp/site first.
+# Where the GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg (and no network),
+# put their wheels in .whl/ beside the repository (pip download ... -d .whl); they are installed to
+# /tmp/site first.
 # The step limits add up to 9 minutes, so the whole check fits a 10-minute run. ORIGINAL=<folder>
 # (a checkout of the original, with a rotary-embedding-torch wheel in .whl/) adds the original's
 # own loop to bench_frame.

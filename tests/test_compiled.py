@@ -36,9 +36,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device (run on a GPU machine)"))]
 
 
-def pipeline(storage: str, compile: bool, dtype=torch.float32, model=None, **settings) -> CausvidPipeline:
+def pipeline(storage: str, compile: bool, dtype=torch.float32, model=None, kv=None, **settings) -> CausvidPipeline:
     cfg = tiny_config()
-    kv = KVSettings(ring_mode="inplace", fmt_k=storage, fmt_v=storage)
+    kv = kv or KVSettings(ring_mode="inplace", fmt_k=storage, fmt_v=storage)
     pipe = CausvidPipeline(model if model is not None else random_model(cfg), None, tiny_world(cfg, WINDOW),
                            fp32_settings(compile=compile, kv=kv, **settings).replace(dtype=dtype), verbose=False)
     count_frame_calls(pipe)
@@ -84,6 +84,29 @@ def test_the_graph_gives_the_eager_frames_within_float_rounding(storage, device)
         pipe.prefill(*history(pipe.cfg, seed=3, frames=2))  # a short history: rings not yet full
     assert (play(eager, 4) - play(compiled, 4)).abs().max() <= TOLERANCE[storage]
     assert torch.equal(eager.cache.written, compiled.cache.written)  # the same writes were committed
+
+
+@pytest.mark.parametrize("kv", [
+    KVSettings(ring_mode="inplace", fmt_k="int8", fmt_v="int8", scale_k="head", scale_v="head"),
+    KVSettings(ring_mode="inplace", fmt_k="int8", fmt_v="int8", scale_k="head", scale_v="head", ema=0.9),
+    KVSettings(ring_mode="inplace", fmt_k="int8", fmt_v="int8", smooth=0.9),
+    KVSettings(ring_mode="inplace", fmt_k="bf16", fmt_v="fp8_e4m3", v_percentile=99.0),
+    KVSettings(ring_mode="inplace", fmt_k="int8", fmt_v="int8", share=2),
+], ids=["head-max", "head-ema", "smooth", "v-percentile", "share"])
+def test_scales_with_memory_percentiles_and_sharing_compile_whole_to_the_eager_frames(kv):
+    """Every in-place mode is one graph: scales that follow each row's last committed scale, a
+    percentile's scales, layers reading their owner's ring; over wrap-arounds and a fresh history,
+    the frames of the eager call within a quantized cache's rounding, and no recompile."""
+    eager, compiled = pipeline("", False, kv=kv), pipeline("", True, kv=kv)
+    assert eager.runner.compiled is None and compiled.runner.compiled == "whole"
+    graphs = counters["stats"]["unique_graphs"]
+    a, b = play(eager, 3 * WINDOW), play(compiled, 3 * WINDOW)
+    for pipe in (eager, compiled):
+        pipe.hard_cut(*history(pipe.cfg, seed=3, frames=2))
+    a, b = torch.cat([a, play(eager, 4)], 1), torch.cat([b, play(compiled, 4)], 1)
+    assert compiled.frame_calls == 2 * (3 * WINDOW + 4)
+    assert (a - b).abs().max() <= 2e-2
+    assert counters["stats"]["unique_graphs"] - graphs == 1, "the compiled frame call recompiled"
 
 
 @pytest.mark.parametrize("storage", ["bf16", "int8"])
@@ -166,8 +189,7 @@ def test_no_graph_break_or_recompile_across_wraps_cuts_recomputes_and_bias(devic
 
 @pytest.mark.parametrize("settings, reason", [
     (dict(kv=KVSettings(ring_mode="roll", fmt_k="int8", fmt_v="int8")), "ring_mode is roll, not inplace"),
-    (dict(kv=KVSettings(ring_mode="inplace", fmt_k="int8", fmt_v="int8", scale_k="head")), "head/max scales depend on earlier"),
-    (dict(kv=KVSettings(ring_mode="inplace", share=2)), "layers share K/V"),
+    (dict(kv=KVSettings(ring_mode="inplace", fmt_k="int8", fmt_v="int8", guard=2)), "the ring guard checks every write"),
     (dict(kv=KVSettings(ring_mode="inplace"), frame_graph=False), "OWL_FRAME_GRAPH=0"),
 ])
 def test_other_modes_run_the_per_block_path_and_say_so_at_start_up(settings, reason, capsys):

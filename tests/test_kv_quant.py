@@ -4,18 +4,18 @@ import torch
 
 from inference.causvid_pipeline import CausvidPipeline
 from inference.flags import resolve_settings
-from owl_wms.cache import QuantizedStaticCache, RingGuardError, StaticCache, build_cache, plan_layers
+from owl_wms.cache import QuantizedStaticCache, RingGuardError, StaticCache, plan_layers
 from owl_wms.engine.profiler import NoProfiler
 from owl_wms.layouts import Layout
 from owl_wms.quant import CODECS, Quantizer, ScalePolicy, _scaled_cast, make_codec, stored_scale
-from owl_wms.ring import RingCache
+from owl_wms.ring import RingCache, build_cache
 from owl_wms.settings import KVSettings, SettingsError
 
 from .conftest import fp32_settings, golden_decode, golden_error, golden_frames, random_model, tiny_config, tiny_world
 from .conftest import rollout as shared_rollout
 from .test_golden import TOL
 
-LAYOUTS = ("roll", "pointer", "inplace")
+LAYOUTS = ("roll", "pointer")  # the host-side cache's; the in-place layout is the ring (owl_wms/ring.py)
 POLICIES = [ScalePolicy("token"), ScalePolicy("channel"), ScalePolicy("head"), ScalePolicy("head", ema=0.9),
             ScalePolicy("token", percentile=99.0), ScalePolicy("token", smooth=0.8)]
 
@@ -93,49 +93,6 @@ def test_fp8_bit_decode_equals_torchs_cast(codec):
     assert torch.equal(work[:, :, 1:3].view(torch.int16), ref.view(torch.int16))
     assert (work[:, :, 0] == 7).all() and (work[:, :, 3] == 7).all()
     assert torch.equal(q.float(), codes[finite].float().view(1, 1, 1, 1, -1).expand_as(q))  # input untouched
-
-
-@pytest.mark.parametrize("env", [dict(OWL_KV_STORAGE="int8"), dict(OWL_KV_STORAGE="fp8_e4m3"),
-                                 dict(OWL_KV_STORAGE="fp8_e5m2"), dict(OWL_KV_STORAGE="int4", OWL_KV_SCALE="channel"),
-                                 dict(OWL_FP8_KV="1", OWL_K_FP8="0")], ids=str)
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device (run on a GPU machine)"))])
-def test_fused_ring_step_matches_the_eager_ring(env, device, monkeypatch):
-    """OWL_COMPILE's one-call inplace step (encode + write + decode of K and V) leaves the same
-    bits in the ring, returns the same window and mask, and counts the same inputs."""
-    cfg = tiny_config(n_layers=2, local_window=2, local_idx=2)
-    plans = plan_layers(cfg, kv(OWL_RING_MODE="inplace", **env), 4)
-    eager, fused = (QuantizedStaticCache(cfg, plans, "inplace", device=device, guard=1, fused_kernels=f)
-                    for f in (False, True))
-    ran = []
-    step = fused._fused_ring_step
-    monkeypatch.setattr(fused, "_fused_ring_step", lambda *a: ran.append(step(*a)) or ran[-1])
-    hist = kv_frames(cfg, 3, 1.0)
-    for c in (eager, fused):
-        c.enable_cache_updates()
-        for layer in range(cfg.n_layers):
-            c.attend_window(layer, *(t.to(device, torch.bfloat16) for t in hist))
-    for f in range(6):
-        k, v = (t.to(device, torch.bfloat16) for t in kv_frames(cfg, 1, 2.0 + f))
-        v[0, 0, 0, 0] = float("inf") if f == 2 else v[0, 0, 0, 0]  # counted (NaN amax is backend-defined)
-        for update in (False, True):
-            for layer in range(cfg.n_layers):
-                outs = []
-                for c in (eager, fused):
-                    c.should_update = update
-                    outs.append(c.attend_window(layer, k, v))
-                (ke, ve, me), (kf, vf, mf) = outs
-                for name, a, b in (("K", ke, kf), ("V", ve.nan_to_num(-1), vf.nan_to_num(-1))):
-                    differ = a != b
-                    assert not differ.any(), (f"frame {f} layer {layer} update={update}: {name} differs at "
-                                              f"{int(differ.sum())} of {differ.numel()}, max "
-                                              f"{(a.float() - b.float()).abs().max().item():.4g}")
-                assert (me is None and mf is None) or torch.equal(me, mf)
-    assert ran and all(ran)  # the fused step ran, every time
-    for i in eager.stores:
-        for name, b in eager.stores[i].bufs.items():
-            assert torch.equal(b.view(torch.uint8), fused.stores[i].bufs[name].view(torch.uint8)), name
-    assert eager.quant_stats() == fused.quant_stats() and fused.quant_stats()["nonfinite"] == cfg.n_layers
 
 
 def test_fused_kernels_ask_inductor_for_eager_rounding_division():
@@ -245,6 +202,60 @@ def cache_for(cfg, layout, window=4, **env):
     return QuantizedStaticCache(cfg, plans, layout, dtype=torch.float32, guard=1)
 
 
+def ring_for(cfg, window=4, guard=1, **env):
+    return RingCache(cfg, plan_layers(cfg, kv(OWL_RING_MODE="inplace", **env), window), dtype=torch.float32, guard=guard)
+
+
+def ring_write(ring, k, v, commit=True, layers=(0,)):
+    """One call's K/V into the ring's layers, as the model makes it: the write, then the advance."""
+    ring.set_commit(commit)
+    out = [ring.attend_window(layer, k, v) for layer in layers]
+    ring.advance(k.shape[2] // ring.tpf)
+    return out[0]
+
+
+def ring_frames(ring, layer=0):
+    """The frames the ring's slots hold, read back from what attention reads (K = frame number)."""
+    k = ring.layers[layer].ring()[0]
+    return k[0, 0, ::ring.tpf].mean(-1).round().tolist()
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8", "int4"])
+def test_the_ring_keeps_frame_f_in_slot_f_mod_c_across_wraps(storage):
+    cfg = tiny_config(n_layers=1, global_window=None)
+    ring = ring_for(cfg, OWL_KV_STORAGE=storage)
+    cap = ring.layers[0].capacity
+    multi = [kv_frames(cfg, 1, float(f)) for f in (1, 2, 3)]
+    keys, _, mask = ring_write(ring, torch.cat([m[0] for m in multi], 2), torch.cat([m[1] for m in multi], 2))
+    assert mask is None and keys[0, 0, ::cfg.tokens_per_frame].mean(-1).round().tolist() == [1.0, 2.0, 3.0]
+    for f in range(4, 4 + 3 * cap):  # frame f is written as frame index f - 1 (the history was 1, 2, 3)
+        keys, values, mask = ring_write(ring, *kv_frames(cfg, 1, float(f)))
+        held = ring_frames(ring)
+        assert all(held[(g - 1) % cap] == g for g in range(max(1, f - cap + 1), f + 1)), (f, held)
+        assert torch.allclose(values, -keys, atol=0.1) and mask.shape == (1, 1, 1, cap * cfg.tokens_per_frame)
+    assert ring.get_offset(0) == (3 + 3 * cap) * cfg.tokens_per_frame
+
+
+@pytest.mark.parametrize("env", [dict(OWL_KV_STORAGE="int8"), dict(OWL_KV_STORAGE="int8", OWL_KV_SCALE="channel"),
+                                 dict(OWL_KV_STORAGE="fp8_e4m3", OWL_KV_SCALE="head"),
+                                 dict(OWL_KV_STORAGE="int8", OWL_V_PER_CHANNEL="1"), dict(OWL_KV_STORAGE="int4"),
+                                 dict(OWL_FP8_KV="1", OWL_K_FP8="0", OWL_V_PERCENTILE="99.9")], ids=str)
+def test_ring_scales_stay_with_their_frames_after_wrap(env):
+    """Frames of wildly different magnitude: a scale read beside the wrong frame would be off by 10x+."""
+    cfg = tiny_config(n_layers=1, global_window=None)
+    ring = ring_for(cfg, **env)
+    cap, tpf = ring.layers[0].capacity, cfg.tokens_per_frame
+    raw = []
+    for f in range(12):
+        k = torch.randn(1, cfg.n_heads, tpf, cfg.head_dim) * 10.0 ** (f % 4 - 2)
+        raw.append(k)
+        ring_write(ring, k, k.clone())
+    k = ring.layers[0].ring()[0]
+    for f in range(12 - cap, 12):
+        got, ref = k[:, :, f % cap * tpf:(f % cap + 1) * tpf], raw[f]
+        assert (got - ref).abs().max() / ref.abs().max() < 0.3, f  # a scale one frame off: 10x+
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("storage", ["bf16", "int8", "int4"])
 def test_layouts_wrap_around_in_time_order(layout, storage):
@@ -300,7 +311,7 @@ def test_logical_append_equals_update_then_get(layout, storage):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("layout", ["pointer", "inplace"])
+@pytest.mark.parametrize("layout", ["pointer"])
 def test_quantized_layouts_return_the_roll_window(layout):
     cfg = tiny_config(n_layers=1)
     roll, ring = cache_for(cfg, "roll", OWL_KV_STORAGE="int8"), cache_for(cfg, layout, OWL_KV_STORAGE="int8")
@@ -313,21 +324,25 @@ def test_quantized_layouts_return_the_roll_window(layout):
 
 def test_inplace_local_layers_store_only_their_window():
     cfg = tiny_config()  # 4 layers: 0 global, 1-3 local (window 3)
-    cache = cache_for(cfg, "inplace", window=6)
-    assert [cache.stores[i].capacity for i in range(4)] == [6, 3, 3, 3]
+    ring = ring_for(cfg, window=6)
+    assert [ring.layers[i].capacity for i in range(4)] == [6, 3, 3, 3]
     roll = cache_for(cfg, "roll", window=6)
-    assert cache.nbytes() / roll.nbytes() == pytest.approx((6 + 3 * 3) / (4 * 6))
+    assert ring.nbytes() / roll.nbytes() == pytest.approx((6 + 3 * 3) / (4 * 6))
 
 
-def test_inplace_mask_covers_empty_and_stale_slots_only_until_full():
+def test_ring_mask_hides_empty_slots_and_frames_out_of_the_window():
     cfg = tiny_config(n_layers=1)
-    cache = cache_for(cfg, "inplace", window=3)
-    cache.enable_cache_updates()
-    k, v, mask = cache.attend_window(0, *kv_frames(cfg, 1, 1.0))
-    assert mask is not None and mask.sum() == cfg.tokens_per_frame  # one written slot of three
-    for f in (2, 3):
-        _, _, mask = cache.attend_window(0, *kv_frames(cfg, 1, float(f)))
-    assert mask is None  # full ring: every slot visible, no mask at all
+    ring = ring_for(cfg, window=3)
+    tpf = cfg.tokens_per_frame
+    _, _, mask = ring_write(ring, *kv_frames(cfg, 1, 1.0))
+    assert torch.isfinite(mask).sum() == tpf  # one written slot of three
+    for f in (2, 3, 4):
+        _, _, mask = ring_write(ring, *kv_frames(cfg, 1, float(f)))
+    assert torch.isfinite(mask).all()  # a full ring: every slot visible
+    ring.set_bias(-2.0)
+    _, _, mask = ring_write(ring, *kv_frames(cfg, 1, 5.0), commit=False)
+    own = (4 % 3) * tpf  # the pending frame 5 (index 4) sits in slot 1
+    assert (mask[0, 0, 0, own:own + tpf] == 0).all() and (mask[0, 0, 0, :own] == -2.0).all()
 
 
 # -- sharing, guards, memory -------------------------------------------------------------------------
@@ -355,13 +370,33 @@ def test_guard_catches_a_scale_written_one_slot_off(monkeypatch):
         cache.update(*kv_frames(cfg, 1, 7.0), 0)
 
 
-def test_guard_catches_an_offset_that_does_not_match_the_tokens_written():
+@pytest.mark.parametrize("layout", ["pointer", "inplace"])
+def test_guard_catches_an_offset_that_does_not_match_the_tokens_written(layout):
     cfg = tiny_config(n_layers=1)
-    cache = cache_for(cfg, "inplace")
+    if layout == "inplace":
+        ring = ring_for(cfg)
+        ring_write(ring, *kv_frames(cfg, 1, 1.0))
+        ring.written += 1  # a bookkeeping bug
+        with pytest.raises(RingGuardError, match="offset"):
+            ring_write(ring, *kv_frames(cfg, 1, 2.0))
+        return
+    cache = cache_for(cfg, layout)
     cache.update(*kv_frames(cfg, 1, 1.0), 0)
     cache.stores[0].written += 1  # a bookkeeping bug
     with pytest.raises(RingGuardError, match="offset"):
         cache.update(*kv_frames(cfg, 1, 2.0), 0)
+
+
+def test_ring_guard_catches_a_frame_written_one_slot_off(monkeypatch):
+    from owl_wms.ring import RingTensor
+
+    cfg = tiny_config(n_layers=1)
+    ring = ring_for(cfg, OWL_KV_STORAGE="int8")
+    for f in range(6):  # correct code: the guard stays quiet across wraps
+        ring_write(ring, *kv_frames(cfg, 1, float(f)))
+    ring.layers[0].tags[0, 0] += 1  # a slot whose frame moved
+    with pytest.raises(RingGuardError, match="slot 0 holds frame"):
+        ring_write(ring, *kv_frames(cfg, 1, 7.0))
 
 
 @pytest.mark.parametrize("storage, exact", [("bf16", True), ("int8", False)])
@@ -400,8 +435,8 @@ def test_every_bf16_layout_reproduces_the_golden_decode(golden, env, backend):
     settings = fp32_settings(backend, kv=kv(**env))
     pipe = CausvidPipeline(golden["model"], None, tiny_world(golden["cfg"], golden["window"]), settings, verbose=False)
     assert golden_error(golden_decode(pipe, g), g) <= TOL
-    # the in-place ring without the guard is the tensor-state ring (owl_wms/ring.py)
-    assert isinstance(pipe.cache, RingCache if env == dict(OWL_RING_MODE="inplace") else QuantizedStaticCache)
+    # the in-place layout is the tensor-state ring (owl_wms/ring.py), with or without the guard
+    assert isinstance(pipe.cache, RingCache if env.get("OWL_RING_MODE") == "inplace" else QuantizedStaticCache)
     assert pipe.cache.get_offset(0) == int(g[f"dec.{golden_frames(g) - 1}.offset"])
 
 
@@ -410,7 +445,7 @@ def test_every_bf16_layout_reproduces_the_golden_decode(golden, env, backend):
                                  dict(OWL_KV_STORAGE="int8", OWL_KV_SCALE="head", OWL_KV_EMA="0.5")], ids=str)
 def test_quantized_layouts_agree_on_the_model(env):
     cfg = tiny_config(global_window=4, local_idx=2, local_window=2)
-    outs = {lay: rollout(cfg, kv(OWL_RING_MODE=lay, **env), 8)[0] for lay in LAYOUTS}
+    outs = {lay: rollout(cfg, kv(OWL_RING_MODE=lay, **env), 8)[0] for lay in (*LAYOUTS, "inplace")}
     ref, _ = rollout(cfg, KVSettings(), 8)
     assert torch.equal(outs["pointer"], outs["roll"])  # the same window in the same order
     # inplace: the same window in ring order; float sums in another order can flip a rounding
@@ -426,7 +461,7 @@ def test_sharing_runs_and_costs_quality_like_any_mode():
     shared, pipe = rollout(cfg, kv(OWL_KV_SHARE=2, OWL_RING_MODE="inplace"), 6)
     plain, _ = rollout(cfg, KVSettings(), 6)
     assert torch.isfinite(shared).all() and not torch.allclose(shared, plain)
-    assert sorted(pipe.cache.stores) == [0, 2]
+    assert isinstance(pipe.cache, RingCache) and len(pipe.cache.owners) == 2 and pipe.cache.borrows(1)
 
 
 @pytest.mark.parametrize("layout,storage", [("roll", "int8"), ("inplace", "int8"), ("inplace", "fp8_e5m2")])
@@ -436,9 +471,8 @@ def test_compiled_decoding_does_not_recompile_in_steady_state(layout, storage):
     eager, _ = rollout(cfg, settings, 8)
     compiled, _, new_graphs = shared_rollout(cfg, 8, kv=settings, compile=True)
     assert new_graphs == 0
-    # Compiled float sums round differently, which can flip a quantization step: close, not equal
-    # (the cache's own work is bit-exact: test_fused_ring_step_matches_the_eager_ring). An e5m2
-    # step is up to a quarter of the value, an int8 one under 1% of the token's largest.
+    # Compiled float sums round differently, which can flip a quantization step: close, not equal.
+    # An e5m2 step is up to a quarter of the value, an int8 one under 1% of the token's largest.
     assert (compiled - eager).abs().max() <= {"int8": 2e-3, "fp8_e5m2": 1e-2}[storage]
 
 
@@ -447,6 +481,7 @@ def test_build_cache_picks_the_plain_cache_for_the_default():
     assert isinstance(build_cache(cfg, fp32_settings(), 5), StaticCache)
     assert build_cache(cfg, fp32_settings(kv_cache="none"), 5) is None
     assert isinstance(build_cache(cfg, fp32_settings(kv=kv(OWL_KV_BITS=8)), 5), QuantizedStaticCache)
+    assert isinstance(build_cache(cfg, fp32_settings(kv=kv(OWL_KV_BITS=8, OWL_RING_MODE="inplace")), 5), RingCache)
 
 
 # -- flags ----------------------------------------------------------------------------------------------
@@ -543,11 +578,14 @@ def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
 
     cfg = tiny_config(n_layers=2, local_idx=2)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    base, mode = (bench_kv.CacheFrames(cfg, layout, env, device, torch.bfloat16, sync)
-                  for layout, env in (("roll", {}), ("inplace", {"OWL_KV_STORAGE": "int8"})))
-    ms, ratio = bench_kv.cache_cost(mode, base, 3)
-    assert ms > 0 and ratio > 0
+    base, mode, ring = (bench_kv.CacheFrames(cfg, layout, env, device, torch.bfloat16, sync)
+                        for layout, env in (("roll", {}), ("pointer", {"OWL_KV_STORAGE": "int8"}),
+                                            ("inplace", {"OWL_KV_STORAGE": "int8"})))
+    for frames in (mode, ring):
+        ms, ratio = bench_kv.cache_cost(frames, base, 3)
+        assert ms > 0 and ratio > 0
     assert [s.written for s in mode.cache.stores.values()] == [bench_kv.WINDOW + 2 + 3] * cfg.n_layers
+    assert int(ring.cache.written[0]) == bench_kv.WINDOW + 2 + 3  # the ring's positions advance as the model's
     # what a capture keeps alive: every buffer and every quantizer's tally (both rebound by a frame)
     held = {id(t) for t in bench_kv.held_tensors(mode.cache)}
     tallies = [q.tally for pair in mode.cache.quant.values() for q in pair if q.quantized]

@@ -62,17 +62,16 @@ class KVProfiler:
         return self
 
     def watch_cache(self, cache):
-        """Time a quantized cache's encode, decode and fused ring step (compiled: both in one call);
-        over the ring, each layer's K and V encode and decode (eager calls only: compiled, they
-        are inside the model's one graph)."""
+        """Time a quantized cache's encode and decode: over the ring, each owner layer's K and V
+        (eager calls only: compiled, they are inside the model's one graph)."""
         if isinstance(cache, RingCache):
-            for layer in cache.layers:
+            for layer in cache.owners:
                 for ring in (layer.k, layer.v):
                     if ring.quantized:
                         self.instrument(ring, "encode", "quant")
                         self.instrument(ring, "decode", "dequant")
         if isinstance(cache, QuantizedStaticCache):
-            for method, section in (("_encode", "quant"), ("_decode", "dequant"), ("_fused_ring_step", "ring_step")):
+            for method, section in (("_encode", "quant"), ("_decode", "dequant")):
                 self.instrument(cache, method, section)
 
     def cut_started(self, event: str):

@@ -5,16 +5,16 @@ Over the tensor-state ring (owl_wms/ring.py) a generated frame's call is the mod
 eager or compiled whole with ``torch.compile(fullgraph=True, dynamic=False)``: nothing in the
 call is a host value (positions, slots, masks, the bias and the commit flags are tensors), so one
 graph serves every frame, wrap-around, hard cut, recompute and bias change, and a batch of
-sessions at different positions. Caches the ring cannot hold (roll and pointer layouts, scales
-with memory, sharing, the guard) run eagerly over cache.py's host-side caches.
+sessions at different positions. The time-ordered layouts (roll, pointer) run eagerly over
+cache.py's host-side caches, as does the ring under the guard (it checks every write on the host).
 """
 from __future__ import annotations
 
 import torch
 
-from ..cache import build_cache, plan_layers
+from ..cache import plan_layers
 from ..quant import eager_division
-from ..ring import RingCache, ring_blocker
+from ..ring import RingCache, build_cache, ring_blocker
 from ..sampler import euler
 from ..settings import Settings
 from .nocache import NoCacheHistory
@@ -31,7 +31,7 @@ class ModelRunner:
         self.core = self.model.core
         self.core.transformer.set_backends(s.attn_backend, s.attn_backend_decode)
         self.kv_plan = plan_layers(self.cache_cfg, s.kv, self.window) if s.kv_cache != "none" else None
-        self.ring_blocker = ring_blocker(self.kv_plan, s.kv.ring_mode, s.kv.guard)
+        self.ring_blocker = ring_blocker(self.kv_plan, s.kv.ring_mode)
         self.frame_call = self.core  # what runs a generated frame's call over the ring
         self.compiled = None  # "whole" (one graph per frame call) or "blocks" (a graph per block half)
         self.background = None  # the thread compiling the frame call while frames run eagerly
@@ -39,8 +39,9 @@ class ModelRunner:
         self.frame_calls = 0  # frame calls made (the background compile starts after the first frame)
         self.calls = 0  # model calls made (a step's count is checked against its plan)
         # why a frame's call cannot be one graph of the model as written (None: it can)
-        self.graph_blocker = self.ring_blocker or ("tensor parallelism all-reduces inside the blocks" if tp is not None
-                                                   else None if s.frame_graph else "OWL_FRAME_GRAPH=0")
+        self.graph_blocker = (self.ring_blocker or ("the ring guard checks every write on the host" if s.kv.guard else None)
+                              or ("tensor parallelism communicates inside the blocks" if tp is not None else None)
+                              or (None if s.frame_graph else "OWL_FRAME_GRAPH=0"))
         if s.compile:
             if self.graph_blocker is None:
                 self.frame_call = self._compiled_frame_call()
@@ -117,12 +118,10 @@ class ModelRunner:
 
     def new_cache(self, rows: int = 1):
         """An empty cache of ``rows`` sessions: the ring, or (one session) a host-side cache."""
-        if self.uses_ring:
-            return RingCache(self.cache_cfg, self.kv_plan, rows, self.device, self.dtype)
-        if rows != 1:
+        if rows != 1 and not self.uses_ring:
             raise ValueError(f"{rows} sessions in one call need the in-place ring cache; this one can't: "
                              f"{self.ring_blocker}")
-        return build_cache(self.cache_cfg, self.settings, self.window, plans=self.kv_plan)
+        return build_cache(self.cache_cfg, self.settings, self.window, rows, plans=self.kv_plan)
 
     def inputs(self, *tensors) -> list[torch.Tensor]:
         """Tensors as a model call takes them: on the model's device, in its dtype."""

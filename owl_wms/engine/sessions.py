@@ -33,8 +33,10 @@ class Sessions:
         self.settings = settings or Settings.from_config(world.inference)
         self.runner = ModelRunner(model, decoder, world, self.settings)
         if not self.runner.uses_ring:
-            raise ValueError(f"several sessions in one call need the in-place ring cache (OWL_RING_MODE=inplace with "
-                             f"frame-local scales); these settings can't use it: {self.runner.ring_blocker}")
+            raise ValueError(f"several sessions in one call need the in-place ring cache (OWL_RING_MODE=inplace); "
+                             f"these settings can't use it: {self.runner.ring_blocker}")
+        if self.settings.kv.guard:
+            raise ValueError("the ring guard (OWL_RING_GUARD) checks one session's cache; run it without --sessions")
         self.world, self.model, self.decoder, self.weights = world, model, decoder, weights
         self.window, self.alpha, self.schedule = world.pipeline.window_frames, world.pipeline.history_alpha, world.pipeline.schedule
         self.tp = None  # sessions run in one process
