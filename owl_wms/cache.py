@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
-from .layouts import FrameStore, RingLayout, make_layout
+from .layouts import FrameStore, make_layout
 from .quant import Quantizer, ScalePolicy, make_codec
 from .settings import KVSettings, SettingsError
 
@@ -22,6 +22,7 @@ class CacheUpdates:
     """The write switch attention reads (``should_update``): on for prefill and the last step."""
     should_update = False
     on_device = False  # positions, counters and masks are host values (ring.RingCache: tensors)
+    in_place = False  # keys come in time order (the ring read in place: in any order, under a mask)
 
     def enable_cache_updates(self):
         self.should_update = True
@@ -197,7 +198,7 @@ def plan_layers(config: ModelConfig, kv: KVSettings, window_frames: int) -> list
     for i in range(n):
         owner = i - i % kv.share
         group = range(owner, min(owner + kv.share, n))
-        # Roll/pointer keep the original's W frames per layer; inplace stores what the group sees.
+        # Roll and pointer keep the original's W frames per layer; inplace stores what the group sees.
         capacity = max(windows[j] for j in group) if layout == "inplace" else window_frames
         quant = i >= first_quantized
         pol_k = ScalePolicy(kv.scale_k, None, kv.ema, kv.smooth)
@@ -220,24 +221,24 @@ def describe_plan(plans: list[LayerPlan]) -> str:
 
 
 class QuantizedStaticCache(CacheUpdates):
-    """The StaticCache contract over any codec x scale policy x time-ordered layout (roll,
-    pointer), plus sharing and guards. (The in-place layout is the tensor-state ring, ring.py.)
+    """The StaticCache contract over any codec x scale policy on the original's rolled slab, plus
+    sharing and guards (the pointer and in-place layouts are the tensor-state ring, ring.py).
 
     Per owner layer, a ``FrameStore`` holds K and V ``[b, h, C, tpf, dh/pack]`` and their
-    scales in the same frame slots. Every layout returns the same window as the bf16 roll
-    cache (up to quantization): a query of layer i sees its last ``window`` frames, itself
-    included, and a read-only call passes its own K/V through the codec exactly as a write
-    would, so all layouts of one codec return the same window bit for bit.
+    scales in the same frame slots, rolled together. It returns the window of the bf16 roll cache
+    up to quantization: a query of layer i sees its last ``window`` frames, itself included, and
+    a read-only call passes its own K/V through the codec exactly as a write would, so every
+    layout of one codec returns the same window bit for bit.
     """
 
     def __init__(self, config: ModelConfig, plans: list[LayerPlan], layout: str = "roll", batch_size: int = 1,
-                 device="cpu", dtype=torch.bfloat16, tail_only: bool = True, scratch: bool = True,
+                 device="cpu", dtype=torch.bfloat16, tail_only: bool = True,
                  guard: int = 0, fused_kernels: bool = False):
         self.config, self.plans = config, plans
         self.fused_kernels = fused_kernels  # compiled encode/decode kernels (the compile setting)
         self.tpf = config.tokens_per_frame
         self.max_frames = max(p.capacity for p in plans)
-        self.layout = make_layout(layout, scratch)
+        self.layout = make_layout(layout)
         self.tail_only, self.guard = tail_only, guard
         self.device, self.dtype = torch.device(device), dtype
         self.should_update = False
@@ -350,7 +351,8 @@ class QuantizedStaticCache(CacheUpdates):
         b, h, n, d = t.shape
         return t.view(b, h, n // self.tpf, self.tpf, d)
 
-    def _encode(self, layer, k, v, commit):
+    def encode(self, layer, k, v, commit):
+        """A call's K/V [b, h, n*tpf, dh] as stored: {name: data or scales} of whole frames."""
         kq, vq = self.quant[layer]
         items = {}
         for name, q, x in (("k", kq, k), ("v", vq, v)):
@@ -360,7 +362,7 @@ class QuantizedStaticCache(CacheUpdates):
                 items[f"{name}_scale"] = scale
         return items
 
-    def _decode(self, layer, items, out=None, at: int = 0):
+    def decode(self, layer, items, out=None, at: int = 0):
         """K, V [b, h, frames*tpf, dh] from stored frames; with ``out`` (a K and a V buffer),
         decoded in place into their frames ``at`` onwards (and the whole buffers returned)."""
         kq, vq = self.quant[layer]
@@ -413,7 +415,7 @@ class QuantizedStaticCache(CacheUpdates):
     @torch.no_grad()
     def update(self, new_k, new_v, layer: int):
         n = self._check(layer, new_k, new_v)
-        self._write(layer, self._encode(layer, new_k, new_v, commit=True), n, new_k, new_v)
+        self._write(layer, self.encode(layer, new_k, new_v, commit=True), n, new_k, new_v)
 
     def _write(self, layer, items, n, raw_k, raw_v):
         store = self.stores[layer]
@@ -432,10 +434,10 @@ class QuantizedStaticCache(CacheUpdates):
         if new_k is None:
             store = self.stores[layer]
             frames = store.length if not self.tail_only else min(store.length, self._group_window[layer])
-            return self._decode(layer, self.layout.read(store, frames))
+            return self.decode(layer, self.layout.read(store, frames))
         n = self._check(layer, new_k, new_v)
-        hist = self._decode(layer, self.layout.read(self.stores[layer], self._history(layer, n)))
-        new = self._decode(layer, self._encode(layer, new_k, new_v, commit=False))
+        hist = self.decode(layer, self.layout.read(self.stores[layer], self._history(layer, n)))
+        new = self.decode(layer, self.encode(layer, new_k, new_v, commit=False))
         return torch.cat([hist[0], new[0]], dim=2), torch.cat([hist[1], new[1]], dim=2)
 
     def attend_window(self, layer: int, k=None, v=None):
@@ -448,11 +450,11 @@ class QuantizedStaticCache(CacheUpdates):
             return keys, values, None
         n = self._check(layer, k, v)
         store = self.stores[layer]
-        items = self._encode(layer, k, v, commit=self.should_update)
+        items = self.encode(layer, k, v, commit=self.should_update)
         m = self._history(layer, n)
         work = self.work_buffers(m + n)  # history then this call's frames, decoded side by side
-        self._decode(layer, self.layout.read(store, m), work)
-        keys, values = self._decode(layer, items, work, at=m)
+        self.decode(layer, self.layout.read(store, m), work)
+        keys, values = self.decode(layer, items, work, at=m)
         if self.should_update:
             self._write(layer, items, n, k, v)
         if self.shadow is not None:
@@ -475,8 +477,6 @@ class QuantizedStaticCache(CacheUpdates):
         offset = self.get_offset(layer)
         if offset < written_before * self.tpf or offset != self._tokens_seen[layer]:
             raise RingGuardError(f"layer {layer}: offset {offset} is not the {self._tokens_seen[layer]} tokens written")
-        if isinstance(self.layout, RingLayout) and self.layout.pointer(store) != (offset // self.tpf) % store.capacity:
-            raise RingGuardError(f"layer {layer}: write pointer {self.layout.pointer(store)} != offset mod capacity")
         first = store.written - store.length
         expect = torch.full((store.capacity,), -1, dtype=torch.int64)
         for f in range(first, store.written):

@@ -6,15 +6,15 @@ it holds (-1: empty). A layout moves every buffer and its tag with the same code
 scales cannot part from its tokens (the ring bug of the original); guards compare the tags.
 
     roll     slots in time order; a full store rolls every buffer by the new frames (the original)
-    pointer  ring: frame f lives in slot f % C; reads gather time order with a fixed-shape index
 
-(The in-place layout, a ring attention reads as it lies, is the tensor-state ring: ring.py.)
+(The pointer and in-place layouts, where frame f lives in slot f % C, are the tensor-state ring:
+ring.py.)
 """
 from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("roll", "pointer")
+LAYOUTS = ("roll",)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,6 @@ class FrameStore:
         self.tags = {n: torch.full((capacity,), -1, dtype=torch.int64) for n in shapes}
         self.length = 0  # valid frames
         self.written = 0  # frames ever written (the next frame's absolute index)
-        self.scratch: dict[tuple, torch.Tensor] = {}  # gather targets (pointer layout), freed with the store
 
     def nbytes(self, names=None) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.bufs.items() if names is None or n in names)
@@ -101,67 +100,7 @@ class RollLayout(Layout):
         store.length = keep
 
 
-class RingLayout(Layout):
-    """Frame f lives in slot f % C: the write pointer is ``written % C``; nothing ever moves."""
-
-    name = "pointer"
-
-    def __init__(self, scratch: bool = True):
-        self.scratch = scratch
-        self._index: dict[tuple, torch.Tensor] = {}
-
-    def pointer(self, store) -> int:
-        return store.written % store.capacity
-
-    def write(self, store, items, n):
-        c = store.capacity
-        m = min(n, c)
-        first = store.written + n - m
-        start = first % c
-        head = min(m, c - start)  # up to the end of the ring, then wrap to slot 0
-        for name, item in items.items():
-            item = item[:, :, n - m:]
-            self._put(store, name, item[:, :, :head], start, first)
-            if head < m:
-                self._put(store, name, item[:, :, head:], 0, first + head)
-        store.length = min(store.length + n, c)
-        store.written += n
-
-    def read(self, store, frames):
-        c = store.capacity
-        start = (store.written - frames) % c
-        out = {}
-        for name, b in store.bufs.items():
-            key = (c, frames, start, b.device)
-            i = self._index.get(key)
-            if i is None:  # one small index per (capacity, frames, pointer, device): a fixed-shape gather
-                i = self._index[key] = ((torch.arange(frames) + start) % c).to(b.device)
-            if self.scratch:
-                shape = (*b.shape[:2], frames, *b.shape[3:])
-                buf = store.scratch.get((name, shape))
-                if buf is None or buf.dtype != b.dtype or buf.device != b.device:
-                    buf = store.scratch[(name, shape)] = torch.empty(shape, dtype=b.dtype, device=b.device)
-                torch.index_select(as_bytes(b), 2, i, out=as_bytes(buf))
-                out[name] = buf
-            else:
-                out[name] = torch.index_select(as_bytes(b), 2, i).view(b.dtype)
-        return out
-
-    def slot_of(self, store, frame):
-        return frame % store.capacity
-
-    def forget(self, store, frames):
-        drop = min(frames, store.length)
-        oldest = store.written - store.length
-        for f in range(oldest, oldest + drop):
-            for t in store.tags.values():
-                t[f % store.capacity] = -1
-        store.length -= drop
-
-
-def make_layout(name: str, scratch: bool = True) -> Layout:
+def make_layout(name: str) -> Layout:
     if name == "roll":
         return RollLayout()
-    if name == "pointer":
-        return RingLayout(scratch)
     raise ValueError(f"unknown cache layout {name!r}; choose one of {LAYOUTS}")

@@ -229,7 +229,7 @@ class Transformer(nn.Module):
 
     def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float | tuple = 0.0,
                 decode_from: int | None = None):
-        if kv_cache is not None and kv_cache.on_device and cond.shape[1] == 1:
+        if kv_cache is not None and kv_cache.in_place and cond.shape[1] == 1:
             # A frame over the ring: its mask holds the whole rule (the switch is not read, so a
             # compiled frame call does not depend on it).
             for block in self.blocks:

@@ -3,8 +3,9 @@
 Per layer (``RingLayer``), K and V live in frame slots ``[rows, heads, C, tpf, dh/pack]`` (with
 their scales in the same slots) and each row's state is a tensor on the model's device:
 ``written`` (frames written since the row's last reset: the absolute frame index of the next
-frame, hence its RoPE position, and the history's length) and ``epoch`` (+1 at every reset). Frame f lives in slot f mod C. Because nothing about a call is a host value, the
-model as written runs over it eagerly or as one compiled graph, and rows at different positions
+frame, hence its RoPE position, and the history's length) and ``epoch`` (+1 at every reset).
+Frame f lives in slot f mod C. Because nothing about a call is a host value, the model as
+written runs over it eagerly or as one compiled graph, and rows at different positions
 (sessions with their own histories) run in one batched call.
 
 A generated frame (one frame a row) is written into its slot, and attention reads the whole
@@ -15,6 +16,11 @@ one; only the counter tells them apart. The slot a frame overwrites held the fra
 it, which no query of the layer sees any more, so nothing else needs tracking. A multi-frame
 call (a history after a reset) attends over its own frames in time order and writes the last
 C into the ring.
+
+The pointer layout is the same ring read in time order: each frame's call gathers the history
+its layers can see and its own frame, oldest first, from the decoded ring (``time_order``; one
+session, eager), so attention applies the frame rule to time-ordered keys as over the original's
+slab.
 
 Every in-place mode lives here: any codec, scales from the frame alone (amax or a percentile)
 or with memory (per-head running max or EMA, smoothing: each row's last committed scale is a
@@ -35,11 +41,14 @@ from .settings import KVSettings
 
 
 def ring_blocker(plans: list[LayerPlan] | None, ring_mode: str) -> str | None:
-    """Why these cache plans need the host-side caches of cache.py (None: the ring takes them)."""
+    """Why a frame's call over these cache plans cannot be one graph, nor a batch of sessions
+    (None: the in-place ring reads in place under a mask made on the device)."""
     if plans is None:
         return "no KV cache"
+    if ring_mode == "pointer":
+        return "the pointer layout gathers each frame's history in time order, its length read on the host"
     if ring_mode != "inplace":
-        return f"ring_mode is {ring_mode}, not inplace (the host-side caches keep frames in time order)"
+        return f"ring_mode is {ring_mode}, not inplace (the original's slab, rolled on the host)"
     return None
 
 
@@ -231,14 +240,22 @@ class RingCache:
     ``epoch`` [rows] counts resets. ``rows(i, j)`` is a view of rows i..j-1 (storage and state), so
     one session's history is written alone while a batched call reads and writes them all. A
     borrowing layer (kv_share) reads its owner's ring under its own window. ``guard`` (one row):
-    1 checks every eager write, N > 1 also compares the first N frames with a float32 shadow."""
+    1 checks every eager write, N > 1 also compares the first N frames with a float32 shadow.
+    ``time_order`` (the pointer layout, one row): a frame's call reads the visible frames gathered
+    oldest first (``tail_only``: only those its group's widest layer sees; ``scratch``: into buffers
+    kept from call to call) instead of the ring in place."""
 
-    on_device = True  # the model reads positions and masks from tensors (model.py)
+    on_device = True  # the model reads positions (and, read in place, masks) from tensors (model.py)
 
     def __init__(self, config, plans: list[LayerPlan], rows: int = 1, device="cpu", dtype=torch.bfloat16,
-                 guard: int = 0, layers: list | None = None, state: tuple | None = None):
+                 guard: int = 0, time_order: bool = False, tail_only: bool = True, scratch: bool = True,
+                 layers: list | None = None, state: tuple | None = None):
         self.config, self.plans, self.dtype, self.device = config, plans, dtype, torch.device(device)
         self.tpf, self.guard = config.tokens_per_frame, guard
+        self.time_order, self.tail_only, self.scratch = time_order, tail_only, scratch
+        self.in_place = not time_order  # the model reads the whole ring under the frame's mask
+        self._group_window = {p.owner: max(q.window for q in plans if q.owner == p.owner) for p in plans}
+        self._gathered: dict[tuple, torch.Tensor] = {}  # scratch: (layer, K or V, frames) -> buffer
         self._views: dict[tuple, RingCache] = {}
         self._masks: dict[tuple, torch.Tensor] = {}  # eager: one mask per (capacity, window) a call
         self._own: dict[int, list | None] = {}  # owner -> a history call's own K/V, for its borrowers
@@ -247,8 +264,8 @@ class RingCache:
             self.layers = layers
             self.written, self.commit, self.bias, self.epoch, self.slots = state
         else:
-            if guard and rows != 1:
-                raise ValueError("the ring guard checks one session's ring; it runs with one row")
+            if (guard or time_order) and rows != 1:
+                raise ValueError("the ring guard and the pointer layout serve one session: one row")
             self.layers = [None] * len(plans)
             for p in plans:
                 if p.owner == p.layer:
@@ -313,6 +330,8 @@ class RingCache:
             raise ValueError("a multi-frame call over the ring writes a new history: reset the rows first "
                              "(a hard cut or a recompute does)")
         own = ring.write(k, v, self.written, self.commit)
+        if own is None and self.time_order:
+            own = self._gather(layer, ring)
         if layer in self._lends:
             self._own[layer] = own
         if self.guard and not torch.compiler.is_compiling():
@@ -320,6 +339,25 @@ class RingCache:
         if own is not None:
             return own[0], own[1], None
         return (*ring.ring(), self._mask(ring, plan.window))
+
+    def _gather(self, layer: int, ring: RingLayer) -> list[torch.Tensor]:
+        """The pointer layout's read of one frame's call: the history frames the layer's group can
+        see (all stored ones without ``tail_only``) and the call's own, oldest first."""
+        c, written = ring.capacity, int(self.written[0])
+        m = min(written, c - 1, self._group_window[layer] - 1 if self.tail_only else c)
+        frames = torch.remainder(torch.arange(written - m, written + 1, device=self.device), c)
+        tokens = (frames[:, None] * self.tpf + torch.arange(self.tpf, device=self.device)).flatten()
+        out = []
+        for name, x in zip("kv", ring.ring()):
+            if not self.scratch:
+                out.append(torch.index_select(x, 2, tokens))
+                continue
+            key = (layer, name, m)
+            buf = self._gathered.get(key)
+            if buf is None:
+                buf = self._gathered[key] = x.new_empty((*x.shape[:2], tokens.numel(), x.shape[3]))
+            out.append(torch.index_select(x, 2, tokens, out=buf))
+        return out
 
     def _mask(self, ring: RingLayer, window: int) -> torch.Tensor:
         key = (ring.capacity, window)
@@ -462,16 +500,17 @@ class RingCache:
 
 def build_cache(config, settings, window_frames: int, rows: int = 1, plans: list[LayerPlan] | None = None):
     """The cache the settings ask for: None (kv_cache "none"), the plain bf16 roll ``StaticCache``
-    (the original's), the in-place ring of ``rows`` sessions, or the host-side time-ordered
-    ``QuantizedStaticCache`` (roll, pointer); ``plans``: the per-layer plan, if already made."""
+    (the original's), the ring (in place: ``rows`` sessions; pointer: one, read in time order), or
+    the host-side ``QuantizedStaticCache`` of the original's rolled slab; ``plans``: the per-layer
+    plan, if already made."""
     if settings.kv_cache == "none":
         return None
     kv = settings.kv
     if kv == KVSettings():
         return StaticCache(config, window_frames, rows, settings.device, settings.dtype)
     plans = plans or plan_layers(config, kv, window_frames)
-    if kv.ring_mode == "inplace":
-        return RingCache(config, plans, rows, settings.device, settings.dtype, guard=kv.guard)
+    if kv.ring_mode in ("inplace", "pointer"):
+        return RingCache(config, plans, rows, settings.device, settings.dtype, guard=kv.guard,
+                         time_order=kv.ring_mode == "pointer", tail_only=kv.tail_only, scratch=kv.ring_scratch)
     return QuantizedStaticCache(config, plans, kv.ring_mode, rows, settings.device, settings.dtype,
-                                tail_only=kv.tail_only, scratch=kv.ring_scratch, guard=kv.guard,
-                                fused_kernels=settings.compile)
+                                tail_only=kv.tail_only, guard=kv.guard, fused_kernels=settings.compile)

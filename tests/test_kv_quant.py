@@ -15,7 +15,7 @@ from .conftest import fp32_settings, golden_decode, golden_error, golden_frames,
 from .conftest import rollout as shared_rollout
 from .test_golden import TOL
 
-LAYOUTS = ("roll", "pointer")  # the host-side cache's; the in-place layout is the ring (owl_wms/ring.py)
+LAYOUTS = ("roll",)  # the host-side cache's; the pointer and in-place layouts are the ring (owl_wms/ring.py)
 POLICIES = [ScalePolicy("token"), ScalePolicy("channel"), ScalePolicy("head"), ScalePolicy("head", ema=0.9),
             ScalePolicy("token", percentile=99.0), ScalePolicy("token", smooth=0.8)]
 
@@ -202,8 +202,9 @@ def cache_for(cfg, layout, window=4, **env):
     return QuantizedStaticCache(cfg, plans, layout, dtype=torch.float32, guard=1)
 
 
-def ring_for(cfg, window=4, guard=1, **env):
-    return RingCache(cfg, plan_layers(cfg, kv(OWL_RING_MODE="inplace", **env), window), dtype=torch.float32, guard=guard)
+def ring_for(cfg, window=4, guard=1, layout="inplace", **env):
+    return RingCache(cfg, plan_layers(cfg, kv(OWL_RING_MODE=layout, **env), window), dtype=torch.float32, guard=guard,
+                     time_order=layout == "pointer")
 
 
 def ring_write(ring, k, v, commit=True, layers=(0,)):
@@ -311,15 +312,22 @@ def test_logical_append_equals_update_then_get(layout, storage):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("layout", ["pointer"])
-def test_quantized_layouts_return_the_roll_window(layout):
+@pytest.mark.parametrize("storage", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("scratch", ["1", "0"])
+def test_the_pointer_ring_reads_the_roll_window_in_time_order(storage, scratch):
+    """The pointer layout over the ring reads, oldest first, the window the original's rolled slab
+    holds, bit for bit: across wraps, for a committed and a read-only frame."""
     cfg = tiny_config(n_layers=1)
-    roll, ring = cache_for(cfg, "roll", OWL_KV_STORAGE="int8"), cache_for(cfg, layout, OWL_KV_STORAGE="int8")
+    roll = cache_for(cfg, "roll", OWL_KV_STORAGE=storage)
+    ring = ring_for(cfg, layout="pointer", OWL_KV_STORAGE=storage, OWL_RING_SCRATCH=scratch)
     for f in range(9):
-        for c in (roll, ring):
-            c.update(*kv_frames(cfg, 1, float(f)), 0)
+        frame = kv_frames(cfg, 1, float(f))
+        roll.update(*frame, 0)
+        keys, values, mask = ring_write(ring, *frame)
+        assert mask is None and all(torch.equal(x, y) for x, y in zip(roll.get(0), (keys, values)))
         new = kv_frames(cfg, 1, 100.0)
-        assert all(torch.equal(x, y) for x, y in zip(roll.get(0, *new), ring.get(0, *new)))
+        keys, values, _ = ring_write(ring, *new, commit=False)
+        assert all(torch.equal(x, y) for x, y in zip(roll.get(0, *new), (keys, values)))
 
 
 def test_inplace_local_layers_store_only_their_window():
@@ -357,7 +365,7 @@ def test_sharing_groups_store_once_and_borrowers_read_the_owner():
 
 def test_guard_catches_a_scale_written_one_slot_off(monkeypatch):
     cfg = tiny_config(n_layers=1)
-    cache = cache_for(cfg, "pointer", OWL_KV_STORAGE="int8")
+    cache = cache_for(cfg, "roll", OWL_KV_STORAGE="int8")
     for f in range(6):  # correct code: the guard stays quiet across wraps
         cache.update(*kv_frames(cfg, 1, float(f)), 0)
     put = Layout._put
@@ -370,7 +378,7 @@ def test_guard_catches_a_scale_written_one_slot_off(monkeypatch):
         cache.update(*kv_frames(cfg, 1, 7.0), 0)
 
 
-@pytest.mark.parametrize("layout", ["pointer", "inplace"])
+@pytest.mark.parametrize("layout", ["roll", "inplace"])
 def test_guard_catches_an_offset_that_does_not_match_the_tokens_written(layout):
     cfg = tiny_config(n_layers=1)
     if layout == "inplace":
@@ -435,8 +443,8 @@ def test_every_bf16_layout_reproduces_the_golden_decode(golden, env, backend):
     settings = fp32_settings(backend, kv=kv(**env))
     pipe = CausvidPipeline(golden["model"], None, tiny_world(golden["cfg"], golden["window"]), settings, verbose=False)
     assert golden_error(golden_decode(pipe, g), g) <= TOL
-    # the in-place layout is the tensor-state ring (owl_wms/ring.py), with or without the guard
-    assert isinstance(pipe.cache, RingCache if env.get("OWL_RING_MODE") == "inplace" else QuantizedStaticCache)
+    # the pointer and in-place layouts are the tensor-state ring (owl_wms/ring.py), with or without the guard
+    assert isinstance(pipe.cache, RingCache if env.get("OWL_RING_MODE") in ("pointer", "inplace") else QuantizedStaticCache)
     assert pipe.cache.get_offset(0) == int(g[f"dec.{golden_frames(g) - 1}.offset"])
 
 
@@ -445,7 +453,7 @@ def test_every_bf16_layout_reproduces_the_golden_decode(golden, env, backend):
                                  dict(OWL_KV_STORAGE="int8", OWL_KV_SCALE="head", OWL_KV_EMA="0.5")], ids=str)
 def test_quantized_layouts_agree_on_the_model(env):
     cfg = tiny_config(global_window=4, local_idx=2, local_window=2)
-    outs = {lay: rollout(cfg, kv(OWL_RING_MODE=lay, **env), 8)[0] for lay in (*LAYOUTS, "inplace")}
+    outs = {lay: rollout(cfg, kv(OWL_RING_MODE=lay, **env), 8)[0] for lay in ("roll", "pointer", "inplace")}
     ref, _ = rollout(cfg, KVSettings(), 8)
     assert torch.equal(outs["pointer"], outs["roll"])  # the same window in the same order
     # inplace: the same window in ring order; float sums in another order can flip a rounding
@@ -579,7 +587,7 @@ def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
     cfg = tiny_config(n_layers=2, local_idx=2)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     base, mode, ring = (bench_kv.CacheFrames(cfg, layout, env, device, torch.bfloat16, sync)
-                        for layout, env in (("roll", {}), ("pointer", {"OWL_KV_STORAGE": "int8"}),
+                        for layout, env in (("roll", {}), ("roll", {"OWL_KV_STORAGE": "int8"}),
                                             ("inplace", {"OWL_KV_STORAGE": "int8"})))
     for frames in (mode, ring):
         ms, ratio = bench_kv.cache_cost(frames, base, 3)
@@ -605,11 +613,14 @@ def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
     for s in stores:
         for b in s.bufs.values():
             b.zero_()
-    mode.replay(1)  # the captured frame writes its slot again, from the graph alone
+    mode.replay(1)  # the captured frame rolls the slab and writes its last slot again, from the graph alone
     for s, before in zip(stores, captured):
-        slot = (s.written - 1) % s.capacity
         for n, b in s.bufs.items():
-            assert torch.equal(b[:, :, slot].view(torch.uint8), before[n][:, :, slot].view(torch.uint8)), n
+            assert torch.equal(b[:, :, -1].view(torch.uint8), before[n][:, :, -1].view(torch.uint8)), n
+    ring.capture()
+    written = int(ring.cache.written[0])
+    ring.replay(1)  # the ring's positions are device tensors: a replay advances them
+    assert int(ring.cache.written[0]) == written + 1
 
 
 def test_bench_kv_decode_table_times_each_codec_beside_the_casts_it_replaces():

@@ -39,19 +39,26 @@ FRAME = {"mouse": [4.0, 0.0], "buttons": [1] + [0] * 10}
 SCRIPT = [FRAME] * 4 + [{"event": "restart"}, {"event": "bias", "value": -1.0}] + [FRAME] * 4
 
 
+def one_process_and_tp2(tmp_path, env: dict) -> tuple[dict, str]:
+    """{1: frames of one process on two threads, 2: frames of two ranks on one thread each} of the
+    scripted rollout (float32 matmuls give the same bits at any thread count), and rank 0's log."""
+    frames = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.npy"
+        rc, log, _ = game(tmp_path, "--out", str(tmp_path / f"tp{tp}.mp4"), "--save-frames", str(out), tp=tp,
+                          env={**env, "OWL_THREADS": str(3 - tp)}, actions=SCRIPT)
+        assert rc == 0, log
+        frames[tp] = np.load(out)
+    return frames, log
+
+
 @pytest.mark.parametrize("storage", ["bf16", "int8", "fp8_e4m3"])
 def test_tp2_gives_the_one_process_frames_through_cut_bias_and_recompute(tmp_path, storage):
     """Rank 0 broadcasts every step; the frames are the single-process run's exactly, for every
     codec of the cache (each rank quantizes its heads' K/V to the same codes), and after the hard
     cut every rank restarted its epoch and offsets (checked by the all-gather after every step)."""
     env = {"OWL_KV_RECOMPUTE_EVERY": "3", "OWL_TP_CHECK_EVERY": "1", "OWL_KV_STORAGE": storage}
-    frames = {}
-    for tp in (1, 2):
-        out = tmp_path / f"tp{tp}.npy"
-        rc, log, _ = game(tmp_path, "--out", str(tmp_path / f"tp{tp}.mp4"), "--save-frames", str(out), tp=tp,
-                          env=env, actions=SCRIPT)
-        assert rc == 0, log
-        frames[tp] = np.load(out)
+    frames, log = one_process_and_tp2(tmp_path, env)
     assert frames[1].shape == (8, 64, 64, 3)
     assert np.array_equal(frames[1], frames[2]), np.abs(frames[1].astype(int) - frames[2]).max()
     agreed = next(line for line in log.splitlines() if "ranks agree at stop" in line)
@@ -64,15 +71,8 @@ def test_tp2_summing_partials_stays_within_rounding(tmp_path):
     """tp_reduce=sum all-reduces partial sums (one collective fewer): fp32 rounding only, with a
     cache that rounds no further (bf16 storage keeps fp32 values in an fp32 run). A few values
     next to a uint8 rounding boundary differ by a level; a real divergence moves many by many."""
-    env = {"OWL_KV_STORAGE": "bf16", "OWL_TP_REDUCE": "sum"}
-    frames = {}
-    for tp in (1, 2):
-        out = tmp_path / f"tp{tp}.npy"
-        rc, log, _ = game(tmp_path, "--out", str(tmp_path / f"tp{tp}.mp4"), "--save-frames", str(out), tp=tp,
-                          env=env, actions=SCRIPT)
-        assert rc == 0, log
-        frames[tp] = np.load(out).astype(int)
-    diff = np.abs(frames[1] - frames[2])
+    frames, _ = one_process_and_tp2(tmp_path, {"OWL_KV_STORAGE": "bf16", "OWL_TP_REDUCE": "sum"})
+    diff = np.abs(frames[1].astype(int) - frames[2])
     assert diff.max() <= 2 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
 

@@ -1,7 +1,7 @@
 """Per-frame profile lines (the profile_kv setting). Lives outside the forward pass; when the
 setting is off the pipeline holds a ``NoProfiler``, so nothing is timed or synchronised.
 
-Sections inside a frame (quantize, dequantize, attention) are timed by wrapping those
+Sections inside a frame (quantize, dequantize, attention) are timed by wrapping those public
 methods on the live objects (``instrument``) - the model and cache code know nothing of it.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ class KVProfiler:
                         self.instrument(ring, "encode", "quant")
                         self.instrument(ring, "decode", "dequant")
         if isinstance(cache, QuantizedStaticCache):
-            for method, section in (("_encode", "quant"), ("_decode", "dequant")):
+            for method, section in (("encode", "quant"), ("decode", "dequant")):
                 self.instrument(cache, method, section)
 
     def cut_started(self, event: str):

@@ -139,7 +139,7 @@ class ModelRunner:
             cache.set_commit(write)
         elif write:
             cache.enable_cache_updates()
-        if cache.on_device and x.shape[1] == 1:  # a frame: the graph of the model as written
+        if cache.in_place and x.shape[1] == 1:  # a frame over the ring: the graph of the model as written
             cache.set_bias(bias)
             self.frame_calls += 1
             call = self.graphs.get((x.shape[0], torch.get_num_threads()), self.frame_call)
