@@ -5,8 +5,9 @@ Over the tensor-state ring (owl_wms/ring.py) a generated frame's call is the mod
 eager or compiled whole with ``torch.compile(fullgraph=True, dynamic=False)``: nothing in the
 call is a host value (positions, slots, masks, the bias and the commit flags are tensors), so one
 graph serves every frame, wrap-around, hard cut, recompute and bias change, and a batch of
-sessions at different positions. The time-ordered layouts (roll, pointer) run eagerly over
-cache.py's host-side caches, as does the ring under the guard (it checks every write on the host).
+sessions at different positions. The time-ordered reads (the original's rolled slab in
+cache.py, the pointer layout's gather from the ring) and the ring under the guard (it checks
+every write on the host) run eagerly, or with a graph per block half.
 """
 from __future__ import annotations
 
