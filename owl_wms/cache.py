@@ -242,7 +242,7 @@ class QuantizedStaticCache(CacheUpdates):
         self.tail_only, self.guard = tail_only, guard
         self.device, self.dtype = torch.device(device), dtype
         self.should_update = False
-        self.checksum_log: list[tuple[int, int, float, float]] = []  # (frame, layer, max |diff|, max |K/V|) vs a bf16 shadow
+        self.checksum_log: list[tuple[int, int, float, float]] = []  # (frame, layer, max |diff|, max |K/V|) vs a float32 shadow
         self.reset(batch_size)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -531,6 +531,6 @@ def checksum_report(log: list[tuple[int, int, float, float]], plans: list[LayerP
         verdict = f"within {codec}'s rounding (at most {bound:.2%})"
     else:
         verdict = f"ABOVE {codec}'s rounding ({bound:.2%}): the cache is corrupted"
-    return (f"[owl] ring guard checksum: {len(frames)} frames x {layers} layers, max |K/V - bf16 roll| "
+    return (f"[owl] ring guard checksum: {len(frames)} frames x {layers} layers, max |K/V - float32 shadow| "
             f"= {diff:.3g} = {share:.2%} of the largest |K/V| (frame {frame}, layer {layer}): {verdict}; "
             "invariants held")

@@ -89,7 +89,7 @@ def _ema(text: str):
 
 
 def _guard(text: str) -> int:
-    """0 off, 1 invariants, checksum[:N] invariants + a bf16 shadow for N frames (-> N + 1)."""
+    """0 off, 1 invariants, checksum[:N] invariants + a float32 shadow for N frames (-> N + 1)."""
     t = str(text).strip().lower()
     if t in ("checksum", "checksum:"):
         return 1 + 16
@@ -103,7 +103,7 @@ def _guard(text: str) -> int:
 
 _bool.accepted = "0|1 (or true|false)"
 _ema.accepted = "max (running max) or an EMA momentum in [0, 1)"
-_guard.accepted = "0|1|checksum|checksum:N (N frames of a bf16 shadow cache)"
+_guard.accepted = "0|1|checksum|checksum:N (N frames of a float32 shadow cache)"
 _device.accepted = "cpu|cuda|cuda:N|auto"
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
            "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
@@ -161,7 +161,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("scale_smooth", _float(0, 1), None,
          "temporal smoothing: scale_t = max(scale_t, a * scale_t-1)"),
     Option("ring_mode", _choice("roll", "pointer", "inplace"), None, "cache layout"),
-    Option("ring_guard", _guard, None, "check cache invariants (checksum: bf16 shadow)"),
+    Option("ring_guard", _guard, None, "check cache invariants (checksum: float32 shadow)"),
     Option("ring_scratch", _bool, None, "pointer layout: gather into preallocated buffers"),
     Option("kv_tail_only", _bool, None, "local layers read only their window"),
     Option("kv_share", _int(1), None, "cross-layer sharing: groups of N layers share K/V"),
@@ -219,7 +219,7 @@ class KVSettings:
     v_percentile: float | None = None
     smooth: float = 0.0
     ring_mode: str = "roll"
-    guard: int = 0  # 0 off, 1 invariants, N > 1: invariants + bf16 shadow for N - 1 frames
+    guard: int = 0  # 0 off, 1 invariants, N > 1: invariants + float32 shadow for N - 1 frames
     ring_scratch: bool = True
     tail_only: bool = True
     share: int = 1

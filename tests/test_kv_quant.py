@@ -408,7 +408,7 @@ def test_ring_guard_catches_a_frame_written_one_slot_off(monkeypatch):
 
 
 @pytest.mark.parametrize("storage, exact", [("bf16", True), ("int8", False)])
-def test_checksum_guard_compares_with_a_bf16_shadow(storage, exact):
+def test_checksum_guard_compares_with_a_float32_shadow(storage, exact):
     cfg = tiny_config()
     _, pipe = rollout(cfg, kv(OWL_RING_MODE="inplace", OWL_KV_STORAGE=storage, OWL_RING_GUARD="checksum:4"), 6)
     log = pipe.cache.checksum_log
