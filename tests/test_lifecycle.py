@@ -206,6 +206,10 @@ def test_snapshot_from_other_settings_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         a.save_state(tmp_path / "missing" / "s.safetensors")
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]  # no temporary files left
+    damaged = a.get_state()
+    del damaged["meta"]["parts"]["anchor"]
+    with pytest.raises(ValueError, match="lacks the state of anchor"):
+        a.load_state(damaged)
 
 
 # -- state machine -----------------------------------------------------------------------------------

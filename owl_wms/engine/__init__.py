@@ -1,8 +1,8 @@
 """The engine: ``CausvidPipeline`` (pipeline.py) runs one session of the world model frame by
 frame over a KV cache, ``Sessions`` (sessions.py) runs many in one batched call, and
-``ModelRunner`` (runner.py) owns the model, the decoder and how a model call runs; their
-collaborators are the cache lifecycle, the tensor-parallel lockstep, the cache-free baseline,
-snapshots and the profiler."""
+``ModelRunner`` (runner.py) owns the model, the decoder and how a model call runs; a session's
+``FramePlanner`` (planner.py) makes its step plans. Their collaborators are the cache lifecycle,
+the tensor-parallel lockstep, the cache-free baseline, snapshots and the profiler."""
 from .lifecycle import Lifecycle, LifecycleError, Phase, StepPlan
 from .pipeline import CausvidPipeline
 from .runner import ModelRunner

@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 STATE_FORMAT = "owl-pipeline-state/2"
 # Settings a snapshot may differ in: the generator state and the bias travel in the snapshot.
-VOLATILE = {"seed", "threads", "profile_kv", "profile_kv_first", "profile_kv_every", "tp_check_every", "tp_timeout_s", "tp_reduce",
-            "kv_cache_attention_bias"}
+VOLATILE = {"seed", "threads", "profile_kv", "profile_kv_first", "profile_kv_every", "tp_check_every", "tp_timeout_s",
+            "tp_reduce", "kv_cache_attention_bias"}
+PARTS = ("noise", "lifecycle", "anchor", "replay", "cache")
 
 
 def identity(pipe) -> str:
@@ -54,8 +55,13 @@ def load_state(pipe, state: dict | str | Path):
         raise ValueError(f"snapshot was taken from world {meta['world']!r} with other model or settings "
                          f"(identity {meta['identity']}, this pipeline {identity(pipe)}); load it into a "
                          "pipeline built from the same checkpoint and settings")
-    parts = {name: ({k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}, m)
-             for name, m in meta["parts"].items()}
+    said = meta.get("parts")
+    missing = [name for name in PARTS if not isinstance(said, dict) or not isinstance(said.get(name), dict)]
+    if missing or "noise.rng" not in tensors:
+        raise ValueError(f"snapshot of format {STATE_FORMAT!r} lacks the state of {', '.join(missing) or 'the noise'}: "
+                         "the file is damaged; save the snapshot again")
+    parts = {name: ({k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}, said[name])
+             for name in PARTS}
     pipe.cache.load_state_dict(*parts["cache"])
     pipe.recompute_anchor.restore(*parts["anchor"])
     pipe.replay.restore(*parts["replay"])
