@@ -82,7 +82,8 @@ def parse_args(argv=None):
     play.add_argument("--sensitivity", type=float, default=None, help="mouse sensitivity (config controls.sensitivity)")
     play.add_argument("--no-overlay", action="store_true", help="start with the overlay hidden (F1 toggles)")
     play.add_argument("--record", default=None, help="record what is shown to this mp4 from the start (F9 toggles)")
-    play.add_argument("--record-dir", default=".", help="folder for F9 recordings and F12 screenshots")
+    play.add_argument("--record-dir", default=None,
+                      help="folder for F9 recordings and F12 screenshots (default: recordings/, made when first used)")
     play.add_argument("--save-actions", default=None, help="write every frame's actions (and events) as JSON lines")
     play.add_argument("--replay", default=None, help="play an action file in the window instead of live input")
     play.add_argument("--max-frames", type=int, default=None, help="quit after this many frames (automation)")

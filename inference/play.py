@@ -222,6 +222,8 @@ class Worker(threading.Thread):
             self.error = exc
 
 
+RECORDINGS = Path("recordings")  # F9 and F12 outputs unless --record-dir says otherwise (git-ignored)
+
 @dataclass
 class PlayOptions:
     scale: int = 4
@@ -231,7 +233,7 @@ class PlayOptions:
     sensitivity: float | None = None
     overlay: bool = True
     record: Path | None = None
-    record_dir: Path = Path(".")
+    record_dir: Path = RECORDINGS  # made at the first recording or screenshot
     save_actions: Path | None = None
     replay: list | None = None
     max_frames: int | None = None
@@ -239,9 +241,12 @@ class PlayOptions:
 
     @classmethod
     def from_args(cls, args) -> "PlayOptions":
-        record_dir = Path(args.record_dir)
-        if not record_dir.is_dir():
+        record_dir = RECORDINGS if args.record_dir is None else Path(args.record_dir)
+        if args.record_dir is not None and not record_dir.is_dir():
             raise OutputPathError(f"--record-dir {str(record_dir)!r} does not exist; create it or choose another")
+        if record_dir.exists() and not record_dir.is_dir():
+            raise OutputPathError(f"{str(record_dir)!r} is a file, not a folder for recordings; move it or pass "
+                                  "--record-dir")
         if args.record:
             check_output_path(args.record, flag="--record", need=MIN_FREE)
         if args.save_actions:
@@ -348,8 +353,14 @@ class Game:
             writer, self.writer = self.writer, None  # cleared first: a failed close is not retried
             self.recordings.append((writer.path, writer.close()))
             return
-        path = path or self.opt.record_dir / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
+        path = path or self.output_dir() / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
         self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale, flag="--record", need=MIN_FREE)
+        print(f"[owl] recording to {path} (F9 stops)", flush=True)
+
+    def output_dir(self) -> Path:
+        """Where F9 recordings and F12 screenshots go (the default folder is made when first used)."""
+        self.opt.record_dir.mkdir(exist_ok=True)
+        return self.opt.record_dir
 
     def log(self, item):
         if self.actions_file is not None:
@@ -387,9 +398,10 @@ class Game:
         pygame.display.flip()
         if self._screenshot:
             self._screenshot = False
-            path = self.opt.record_dir / f"screenshot_{self.frames_shown:06d}.png"
+            path = self.output_dir() / f"screenshot_{self.frames_shown:06d}.png"
             pygame.image.save(self.screen, str(path))
             self.screenshots.append(path)
+            print(f"[owl] screenshot {path}", flush=True)
         self.draw_ms.append((time.perf_counter() - t0) * 1000)
 
     def overlay_lines(self) -> list[str]:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,3 +274,31 @@ def test_overlay_lines_wrap_to_the_window_width():
     lines = Game.fit_lines(SimpleNamespace(font=font), texts, 240)
     assert all(font.size(x)[0] <= 240 for x in lines) and len(lines) > len(texts)
     assert "  ".join(lines[:-1]).split() == texts[0].split() and lines[-1] == "held W A S D"
+
+
+def test_recordings_and_screenshots_go_to_a_folder_made_when_first_used(dummy_video, tmp_path, monkeypatch, capsys):
+    """By default F9 and F12 write into recordings/ (git-ignored), made at the first one and named
+    on the console; a file in its place is refused before the window opens."""
+    from inference.causvid_pipeline import CausvidPipeline
+    from inference.game_cv import parse_args
+    from inference.play import PlayOptions
+    from inference.video import OutputPathError
+
+    monkeypatch.chdir(tmp_path)
+    opts = PlayOptions.from_args(parse_args(["--max-frames", "4"]))
+    assert opts.record_dir == Path("recordings") and not (tmp_path / "recordings").exists()
+    key = lambda k: E(pygame.KEYDOWN, key=k)  # noqa: E731
+    game = ScriptedGame.make(CausvidPipeline.from_checkpoint(verbose=False), opts,
+                             {1: [key(pygame.K_F9)], 2: [key(pygame.K_F12)], 3: [key(pygame.K_F9)]})
+    assert game.run() == 0
+    out = capsys.readouterr().out
+    shots, videos = sorted((tmp_path / "recordings").glob("*.png")), sorted((tmp_path / "recordings").glob("*.mp4"))
+    assert len(shots) == 1 and len(videos) == 1
+    assert f"[owl] screenshot {Path('recordings') / shots[0].name}" in out and f"recorded {Path('recordings')}" in out
+    assert "recordings/" in (REPO / ".gitignore").read_text().split()
+    for p in (tmp_path / "recordings").iterdir():
+        p.unlink()
+    (tmp_path / "recordings").rmdir()
+    (tmp_path / "recordings").write_text("not a folder")
+    with pytest.raises(OutputPathError, match="is a file, not a folder"):
+        PlayOptions.from_args(parse_args([]))
