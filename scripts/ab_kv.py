@@ -188,9 +188,56 @@ def analyse(res: dict, base: dict, real: np.ndarray | None):
         "kv_mib": res["kv_bytes"] / 2**20, "peak_mem_mb": res["peak_mem_mb"], "recompiles": res["recompiles"]}
 
 
+MANIFEST = "ab_kv_outputs.txt"  # what a run wrote into --out, removed by the next run into the same folder
+
+
+def clear_previous_run(out: Path) -> int:
+    """Remove what an earlier run listed in ``out``'s manifest (nothing else); returns how many."""
+    import shutil
+
+    manifest = out / MANIFEST
+    if not manifest.is_file():
+        return 0
+    removed = 0
+    for name in manifest.read_text().split():
+        path = out / name
+        if "/" in name or name in ("", ".", "..") or not path.exists():
+            continue
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        removed += 1
+    manifest.unlink()
+    return removed
+
+
+def verdict(r: dict) -> str:
+    """One line on how a variant compares with the baseline, and why where the cause is known."""
+    s, env = r["summary"], r["env"]
+    if r["name"] == "baseline":
+        return "the reference every other variant is compared with"
+    if s["unhealthy_frames"]:
+        return f"{s['unhealthy_frames']} unhealthy frames (black, blown-out or flat): the cache is broken"
+    psnr = s["psnr_vs_base"]
+    level = ("identical frames" if psnr >= 100 else "indistinguishable from the baseline" if psnr >= 45 else
+             "close to the baseline" if psnr >= 35 else "visibly different from the baseline")
+    causes = []
+    if env.get("OWL_KV_SHARE", "1") != "1":
+        causes.append("cross-layer sharing hands a layer another layer's keys and values, which a model not "
+                      "fine-tuned for it never saw: expected to lose on this model")
+    codecs = " ".join(str(v) for k, v in env.items() if k in ("OWL_KV_STORAGE", "OWL_KV_FMT_K", "OWL_KV_FMT_V",
+                                                               "OWL_KV_BITS"))
+    if psnr < 45 and ("int4" in codecs or "e5m2" in codecs or env.get("OWL_KV_BITS") == "4"):
+        causes.append("few mantissa or integer bits: the rounding error grows over a rollout")
+    if psnr < 45 and not causes and s["first_below_30db"] is not None:
+        causes.append(f"a chaotic rollout: frame {s['first_below_30db']} is the first under 30 dB, after which "
+                      "the two dream different futures of the same level")
+    return level + (f" ({psnr:.1f} dB); " + "; ".join(causes) if causes else f" ({min(psnr, 100):.1f} dB)")
+
+
 def write_report(out: Path, results: list, failed: list, header: list[str]):
     ok = results
-    lines = [*header, ""]
+    lines = [*header, "", "## Verdicts", ""]
+    lines += [f"- **{r['name']}**: {verdict(r)}" for r in results]
+    lines.append("")
 
     def table(title, cols, best=None):
         lines.extend([f"## {title}", "", "| variant | " + " | ".join(c[0] for c in cols) + " |",
@@ -251,12 +298,14 @@ def write_plots(out: Path, results: list):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    simulated = any(p["psnr_vs_sim"] == p["psnr_vs_sim"] for r in results for p in r["per_frame"])
+    fig, ax = plt.subplots(1, 3 if simulated else 2, figsize=(15 if simulated else 10, 4))
     for r in results:
         x = [p["frame"] for p in r["per_frame"]]
         ax[0].plot(x, [min(p["psnr_vs_base"], 100) for p in r["per_frame"]], label=r["name"])
         ax[1].plot(x, [p["ssim_vs_base"] for p in r["per_frame"]], label=r["name"])
-        ax[2].plot(x, [p["psnr_vs_sim"] for p in r["per_frame"]], label=r["name"])
+        if simulated:
+            ax[2].plot(x, [p["psnr_vs_sim"] for p in r["per_frame"]], label=r["name"])
     for a, t in zip(ax, ("PSNR vs baseline (dB, capped at 100)", "SSIM vs baseline", "PSNR vs simulator (dB)")):
         a.set(xlabel="frame", title=t)
     ax[0].legend(fontsize=7)
@@ -334,6 +383,8 @@ def main(argv=None):
         raise SystemExit(f"error: cannot create the output folder {str(out)!r} ({e.strerror}); choose another --out")
     if not os.access(out, os.W_OK):
         raise SystemExit(f"error: output folder {str(out)!r} is not writable; choose another --out")
+    if cleared := clear_previous_run(out):
+        print(f"cleared the {cleared} outputs an earlier run left in {out}", flush=True)
     world_seed = args.world_seed if args.clip is None else None
     if args.clip is None and world_seed is None:
         world_seed = 1_000_200
@@ -375,18 +426,24 @@ def main(argv=None):
               f"- command: `{cmd}`", f"- machine: {machine()}; torch {torch.__version__}",
               f"- checkpoint `{checkpoint}`, start: {start_text}, actions `{args.actions}`, {args.frames} frames, "
               f"noise seed {args.seed}; each variant in its own process",
-              "- quality is against the baseline's frames" + (" and the simulator's" if real is not None else "")]
+              "- quality is against the baseline's frames" + (" and the simulator's" if real is not None else
+                                                              " (no simulator for a clip: its columns show -)")]
     write_report(out, results, failed, header)
     write_csv(out, results)
     write_plots(out, results)
     write_videos(out, results, args.fps)
+    written = ["report.md", "metrics.csv", "psnr_ssim.png", "latency.png", "memory.png",
+               *(name for name, _ in variants), *(f"{r['name']}.mp4" for r in results[1:])]
+    (out / MANIFEST).write_text("\n".join(written) + "\n")
     print(f"\n{'variant':<22} {'PSNR/base':>9} {'first<30':>8} {'PSNR/sim':>8} {'drift':>8} {'bad':>4} "
-          f"{'median ms':>9} {'KV MiB':>7}")
+          f"{'median ms':>9} {'KV MiB':>7}" + ("" if real is not None else "   (no simulator for a clip)"))
     for r in results:
         s = r["summary"]
+        sim = f"{s['psnr_vs_sim']:.2f}" if real is not None else "-"
         print(f"{r['name']:<22} {s['psnr_vs_base']:>9.2f} {str(s['first_below_30db'] or '-'):>8} "
-              f"{s['psnr_vs_sim']:>8.2f} {s['drift_mean']:>8.4f} {s['unhealthy_frames']:>4d} "
+              f"{sim:>8} {s['drift_mean']:>8.4f} {s['unhealthy_frames']:>4d} "
               f"{s['median_ms']:>9.1f} {s['kv_mib']:>7.2f}")
+        print(f"  {verdict(r)}")
     for r in failed:
         print(f"{r['name']:<22} CRASHED: {r['error']}")
     print(f"report: {out / 'report.md'}")

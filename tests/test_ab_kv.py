@@ -79,3 +79,25 @@ def test_a_bad_action_file_is_one_line_not_a_traceback(tmp_path):
                                                                                   "buttons must be 11 values")):
         with pytest.raises(SystemExit, match=f"error: .*{message}"):
             ab_kv.main(["--actions", actions, "--out", str(tmp_path / "ab")])
+
+
+def test_a_run_from_a_clip_explains_itself_and_replaces_the_previous_run(ab_run, tmp_path):
+    """Into a folder an earlier run wrote: its outputs are cleared (a user's own file stays); from a
+    clip there is no simulator, said in words, never as nan or an empty plot; each variant gets a
+    one-line verdict naming the cause where one is known (cross-layer sharing)."""
+    import shutil
+
+    _, first = ab_run
+    out = tmp_path / "ab"
+    shutil.copytree(first, out)
+    (out / "notes.txt").write_text("mine")
+    r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--frames", "3", "--clip", "0", "--out", str(out),
+                        "--variant", "sharing"], cwd=REPO, capture_output=True, text=True, timeout=time_limit(600))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cleared the" in r.stdout and "nan" not in r.stdout.lower() and "no simulator for a clip" in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["ab_kv_outputs.txt", "baseline", "sharing", "sharing.mp4", "notes.txt", "report.md", "metrics.csv",
+         "psnr_ssim.png", "latency.png", "memory.png"])
+    report = (out / "report.md").read_text()
+    assert "## Verdicts" in report and "no simulator for a clip" in report
+    assert "cross-layer sharing hands a layer another layer's keys" in report
