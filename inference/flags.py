@@ -6,8 +6,10 @@ tp_timeout_s, whose flag is OWL_TP_TIMEOUT. Errors name the flag or config key t
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import sys
 import warnings
 from typing import Mapping
 
@@ -33,12 +35,23 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     if str(environ.get(FLAGS["kv_cache"], "")).strip().lower() == "none":
         inference = without_kv(inference)
     for name in sorted(k for k in environ if k.startswith("OWL_") and k not in KNOWN):
-        warnings.warn(f"{name} is not a known OWL_* flag and is ignored; known flags: {', '.join(KNOWN)}",
+        near = difflib.get_close_matches(name, KNOWN, n=1)
+        warnings.warn(f"{name} is not a known OWL_* flag and is ignored"
+                      + (f" (did you mean {near[0]}?)" if near else "") + f"; known flags: {', '.join(KNOWN)}",
                       stacklevel=2)
     raw = dict(inference)
     raw.update({f: environ[flag] for f, flag in FLAGS.items() if flag in environ})
     from_config = {f for f in raw if FLAGS[f] not in environ}
     return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
+
+
+def warnings_as_lines() -> None:
+    """The apps print each warning as one line, ``warning: <message>``, without the source line
+    Python's default shows (the message names the flag, the value and the fix)."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"warning: {message}", file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
 
 
 def physical_cores() -> int:

@@ -31,7 +31,7 @@ from owl_wms.settings import Settings, SettingsError  # noqa: E402
 
 from .actions import BUILTIN  # noqa: E402
 from .cores import CoreBudget  # noqa: E402
-from .flags import flag_message, resolve_settings, with_threads  # noqa: E402
+from .flags import flag_message, resolve_settings, warnings_as_lines, with_threads  # noqa: E402
 from .headless import run_headless, run_sessions  # noqa: E402
 from .video import OutputPathError, OutputWriteError  # noqa: E402
 
@@ -195,6 +195,7 @@ def run_play(args, world: WorldConfig, settings: Settings, budget: CoreBudget | 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    warnings_as_lines()
     # compiled graphs persist between starts (a second start reuses them)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "owl-wms", "inductor"))
     tp = None

@@ -45,6 +45,26 @@ def test_unknown_flag_warns_and_lists_known():
     with pytest.warns(UserWarning, match="OWL_FP9_KV is not a known OWL_\\* flag") as rec:
         resolve_settings({}, environ={"OWL_FP9_KV": "1"})
     assert all(name in str(rec[0].message) for name in KNOWN)
+    assert "did you mean OWL_FP8_KV?" in str(rec[0].message)
+
+
+def test_the_app_prints_a_warning_as_one_line_naming_the_nearest_flag(tmp_path):
+    """No Python source line or warning class: one line the user can act on."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, time_limit
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWL_")}, "OWL_RING_MOD": "pointer"}
+    r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--frames", "1",
+                        "--checkpoint", str(REPO / "checkpoints" / "untrained-tiny"), "--out", str(tmp_path / "x.mp4")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=time_limit(120))
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "OWL_RING_MOD " in x]
+    assert len(lines) == 1 and lines[0].startswith("warning: OWL_RING_MOD is not a known OWL_* flag and is ignored "
+                                                   "(did you mean OWL_RING_MODE?)")
+    assert "UserWarning" not in r.stderr and "resolve_settings(" not in r.stderr
 
 
 def test_settings_are_immutable():
