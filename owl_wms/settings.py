@@ -374,7 +374,7 @@ class Settings:
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        return (f"device={self.device} dtype={dtype} seed={self.seed} threads={self.threads} compile={self.compile_mode} "
+        return (f"device={self.device} dtype={dtype} seed={self.seed} threads={self.threads or torch.get_num_threads()} compile={self.compile_mode} "
                 + ("frame_graph=0 " if self.compile and not self.frame_graph else "")
                 + f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
                 + (f"[{self.kv.describe()}] " if self.kv_cache != "none" else "")

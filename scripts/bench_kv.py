@@ -309,6 +309,9 @@ def main(argv=None):
     cfg = ModelConfig.from_mapping({**PRODUCTION, "n_frames": WINDOW})
     print(f"command: python -m scripts.bench_kv {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
     print(f"torch {torch.__version__}; machine: {machine()}; device {args.device}, {args.dtype}")
+    if args.device == "cpu" and not args.decode_only:
+        print(f"(on a 2-core CPU this takes minutes: about 3 with --skip-matrix at the default --frames; "
+              f"--frames 2 --skip-matrix for a quick look)", flush=True)
     print(f"production cache shapes: {cfg.n_layers} layers ({cfg.n_layers // cfg.local_idx} global), "
           f"{cfg.n_heads} heads x {cfg.head_dim}, window {WINDOW} frames x {cfg.tokens_per_frame} tokens, "
           f"local window {cfg.local_window}")
