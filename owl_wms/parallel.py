@@ -163,19 +163,19 @@ class ParallelContext:
                     + torch.arange(dh)[None, None, :]).flatten()  # (three, my heads, dh)
             attn.qkv = _rows(attn.qkv, rows)
             attn.n_heads = hl
-            attn.out = self._sharded_input(attn.out, r * hl * dh, (r + 1) * hl * dh)
+            attn.out = self._sharded_input(attn.out, slice(r * hl * dh, (r + 1) * hl * dh))
             hidden = mlp.fc1.out_features
             if hidden % n:
                 raise TPError(f"--tp {n}: the MLP's {hidden} hidden units do not split evenly")
             part = slice(r * hidden // n, (r + 1) * hidden // n)
             mlp.fc1 = _rows(mlp.fc1, torch.arange(hidden)[part])
-            mlp.fc2 = self._sharded_input(mlp.fc2, part.start, part.stop)
+            mlp.fc2 = self._sharded_input(mlp.fc2, part)
         return model
 
-    def _sharded_input(self, linear: nn.Linear, start: int, stop: int) -> nn.Module:
-        """``linear`` for an input whose features start..stop-1 live on this rank."""
+    def _sharded_input(self, linear: nn.Linear, cols: slice) -> nn.Module:
+        """``linear`` for an input whose features ``cols`` live on this rank."""
         if self.reduce == "sum":
-            return RowParallelLinear(linear, slice(start, stop), self)
+            return RowParallelLinear(linear, cols, self)
         out = linear.out_features
         if out % self.world:
             raise TPError(f"--tp {self.world}: a projection's {out} outputs do not split evenly; use tp_reduce=sum")

@@ -206,6 +206,11 @@ class RingLayer:
     def ring(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.ring(), self.v.ring()
 
+    def tokens(self, frames: torch.Tensor) -> torch.Tensor:
+        """Indices into ``ring()``'s token axis of absolute ``frames`` (in their order)."""
+        slots = torch.remainder(frames, self.capacity)
+        return (slots[:, None] * self.tpf + torch.arange(self.tpf, device=frames.device)).flatten()
+
     def mask(self, written: torch.Tensor, bias: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor:
         """Additive mask [b, 1, 1, C*tpf] of a frame at index written[b] over the ring after its
         write, for a layer that sees ``window`` frames: the frame rule on the absolute frame each
@@ -279,14 +284,13 @@ class RingCache:
             self.epoch = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.slots = {p.capacity: torch.arange(p.capacity, device=self.device) for p in plans}
         self.owners = [layer for p, layer in zip(plans, self.layers) if p.owner == p.layer]
-        self.checksum_log: list[tuple[int, int, float, float]] = []  # (frame, layer, max |diff|, max |K/V|)
         self._start_guard()
 
     def _start_guard(self):
         self._frames_seen = 0  # the guard's own count of row 0's committed frames
-        self.shadow = StaticCache(self.config, max(p.capacity for p in self.plans), 1, self.device,
-                                  torch.float32) if self.guard > 1 else None
-        self.checksum_log, self._checksum_start = [], None
+        self.shadow = StaticCache(self.config, self.max_frames, 1, self.device, torch.float32) if self.guard > 1 else None
+        self.checksum_log: list[tuple[int, int, float, float]] = []  # (frame, layer, max |diff|, max |K/V|)
+        self._checksum_start = None
 
     @property
     def n_rows(self) -> int:
@@ -345,8 +349,7 @@ class RingCache:
         see (all stored ones without ``tail_only``) and the call's own, oldest first."""
         c, written = ring.capacity, int(self.written[0])
         m = min(written, c - 1, self._group_window[layer] - 1 if self.tail_only else c)
-        frames = torch.remainder(torch.arange(written - m, written + 1, device=self.device), c)
-        tokens = (frames[:, None] * self.tpf + torch.arange(self.tpf, device=self.device)).flatten()
+        tokens = ring.tokens(torch.arange(written - m, written + 1, device=self.device))
         out = []
         for name, x in zip("kv", ring.ring()):
             if not self.scratch:
@@ -374,7 +377,12 @@ class RingCache:
             self._frames_seen += n * bool(self.commit[0])
         self.written.add_(self.commit.to(self.written.dtype) * n)
         self._masks.clear()
-        if self.guard and not torch.compiler.is_compiling() and int(self.written[0]) != self._frames_seen:
+        if self.guard and not torch.compiler.is_compiling():
+            self._check_offset()
+
+    def _check_offset(self) -> None:
+        """The guard: row 0's position is the count of frames it committed, kept apart."""
+        if int(self.written[0]) != self._frames_seen:
             raise RingGuardError(f"offset {int(self.written[0]) * self.tpf} is not the {self._frames_seen * self.tpf} "
                                  "tokens written")
 
@@ -382,9 +390,7 @@ class RingCache:
     def _check(self, layer: int, ring: RingLayer, k, v, own) -> None:
         """After a write: the slots hold their frames; with a shadow, what attention reads matches it."""
         n, commit = k.shape[2] // self.tpf, bool(self.commit[0])
-        if int(self.written[0]) != self._frames_seen:
-            raise RingGuardError(f"offset {int(self.written[0]) * self.tpf} is not the {self._frames_seen * self.tpf} "
-                                 "tokens written")
+        self._check_offset()
         top = int(self.written[0]) + n  # frames in the ring after this write, a pending one included
         ring.check_tags(top, layer)
         if self.shadow is None:
@@ -401,9 +407,7 @@ class RingCache:
         if own is not None:  # time order: the call's own frames are the shadow's last
             keys, values = own
         else:  # ring order: the visible slots, oldest first
-            visible = range(top - min(top, self.plans[layer].window), top)
-            pick = torch.cat([torch.arange(f % ring.capacity * self.tpf, (f % ring.capacity + 1) * self.tpf)
-                              for f in visible]).to(k.device)
+            pick = ring.tokens(torch.arange(top - min(top, self.plans[layer].window), top, device=k.device))
             keys, values = (x[:, :, pick] for x in ring.ring())
         ref_k, ref_v = (r[:, :, -keys.shape[2]:] for r in ref)
         diff = max((keys.float() - ref_k).abs().max().item(), (values.float() - ref_v).abs().max().item())
