@@ -355,7 +355,7 @@ class Game:
             return
         path = path or self.output_dir() / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
         self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale, flag="--record", need=MIN_FREE)
-        print(f"[owl] recording to {path} (F9 stops)", flush=True)
+        print(f"[owl] recording to {path} (F9 ends it)", flush=True)
 
     def output_dir(self) -> Path:
         """Where F9 recordings and F12 screenshots go (the default folder is made when first used)."""
