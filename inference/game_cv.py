@@ -63,7 +63,9 @@ def parse_args(argv=None):
                    help="headless: put the simulator's frames under the same actions, from the same level, left "
                         "of the model's (the start must record its level: --world-seed N or an exported clip)")
     p.add_argument("--fps", type=float, default=15.0, help="frame rate written into the video")
-    p.add_argument("--scale", type=int, default=4, help="integer upscaling of the video / window")
+    p.add_argument("--scale", type=int, default=None,
+                   help="integer upscaling of the video / window (default: 4 headless; the window's from the screen, "
+                        "its short side up to 768 px)")
     p.add_argument("--save-frames", default=None,
                    help="--headless: also save the raw uint8 frames [n, H, W, 3] to this .npy (exact comparisons)")
     p.add_argument("--sheet", default=None,
@@ -97,6 +99,8 @@ def parse_args(argv=None):
     for flag, value in (("--fps", args.fps), ("--target-fps", args.target_fps), ("--sensitivity", args.sensitivity)):
         if value is not None and not 0 < value <= 1000:
             p.error(f"{flag} {value}: must be a number in (0, 1000]")
+    if args.headless and args.scale is None:
+        args.scale = 4
     return args
 
 
@@ -125,13 +129,14 @@ def compile_pays(args) -> bool:
 
 
 def compile_in_background(runner, settings: Settings, budget: CoreBudget | None, rows=(1,), log=print):
-    """OWL_COMPILE=auto: the frame call compiles on a thread of its own while frames run eagerly,
-    for each thread count the budget may switch between (a graph is built per count)."""
+    """OWL_COMPILE=auto: the frame call compiles in a child process while frames run eagerly (or
+    loads the graphs an earlier start kept), for each thread count the budget may switch between
+    (a graph is built per count)."""
     if settings.compile_background:
         adaptive = budget is not None and budget.adaptive and budget.cores > 1
         if runner.compile_in_background(rows, threads=(1,) if adaptive else (), log=log):
-            log("[owl] compile: the frame call compiles in the background after the first frame (up to about a "
-                "minute on a CPU, less with a warm compile cache); frames run eagerly meanwhile")
+            log("[owl] compile: after the first frame the frame call compiles in a background process (a minute "
+                "or two on a CPU; a later start loads the graphs it keeps); frames run eagerly meanwhile")
 
 
 def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelContext | None = None,
@@ -235,11 +240,12 @@ def main(argv=None) -> int:
 
 
 def exit_now(code: int):
-    """Exit with ``code``; a compile still running on its thread (outputs are all closed by now)
-    is abandoned rather than unwound, which would abort the process."""
+    """Exit with ``code``; the thread loading compiled graphs, if still at work (outputs are all
+    closed by now), is abandoned rather than unwound, which could abort the process (the compile
+    process sees us gone and ends)."""
     import threading
 
-    if any(t.name == "owl-compile" and t.is_alive() for t in threading.enumerate()):
+    if any(t.name == "owl-compile-loader" and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

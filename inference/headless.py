@@ -10,6 +10,7 @@ from owl_wms.engine import CausvidPipeline
 from owl_wms.parallel import ParallelContext
 
 from .actions import apply_event, is_event, load_actions
+from .cues import event_cue, first_frame_cue
 from .cores import CoreBudget
 from .signals import StopOnSigint, end_startup
 from .video import Mp4Writer, check_output_path, flat_frame_warning, mp4_bytes, require_space, write_atomically
@@ -134,6 +135,8 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
         frames = sum(not is_event(x) for x in items)
         require_space(output_estimates(args, pipe.frame_shape, frames, beside is not None))
         with StopOnSigint() as stop:
+            if pipe.settings.compile:
+                tqdm.write(f"[owl] {first_frame_cue(pipe.settings)} ...")
             start = time.perf_counter()
             bar = tqdm(total=frames, desc="rollout", unit="frame")
             for item in items:
@@ -141,7 +144,10 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
                     interrupted = True
                     break
                 if is_event(item):
+                    if (cue := event_cue(item)) is not None:
+                        bar.set_postfix_str(cue)  # on the bar while it runs
                     apply_event(pipe, item)
+                    bar.set_postfix_str("")
                     if beside is not None:
                         beside.handle(item)
                     continue
@@ -223,6 +229,8 @@ def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
             session_args(args, i), pipes[i].frame_shape, sum(not is_event(x) for x in items), False)])
         queues = [iter(items) for items in scripts]
         with StopOnSigint() as stop:
+            if sessions.runner.settings.compile:
+                tqdm.write(f"[owl] {first_frame_cue(sessions.runner.settings)} ...")
             start = time.perf_counter()
             bar = tqdm(total=total, desc=f"rollouts x{n}", unit="frame")
             while not stop.requested:

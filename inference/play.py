@@ -13,6 +13,7 @@ game buttons:
 from __future__ import annotations
 
 import collections
+import math
 import os
 import queue
 import sys
@@ -30,6 +31,7 @@ from owl_wms.controls import BUTTONS  # noqa: E402
 from owl_wms.engine import CausvidPipeline  # noqa: E402
 
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
+from .cues import event_cue, first_frame_cue  # noqa: E402
 from .headless import pipeline_rate  # noqa: E402
 from .signals import StopOnSigint  # noqa: E402
 from .video import MIN_FREE, Mp4Writer, OutputPathError, check_output_path, flat_frame_warning  # noqa: E402
@@ -131,6 +133,7 @@ class FrameResult:
     bias: float = 0.0
     ground_truth: bool = False
     kv_bytes: int = 0
+    compile_state: str = ""  # "eager", "compiled", or the background compile's progress
 
 
 class Worker(threading.Thread):
@@ -156,6 +159,7 @@ class Worker(threading.Thread):
         self.error: BaseException | None = None
         self.frames = 0
         self.budget = budget
+        self.busy: tuple[str, float] | None = None  # what a slow step between frames is doing, and since when
 
     def stop(self):
         self._halt.set()
@@ -174,7 +178,12 @@ class Worker(threading.Thread):
                 pass
 
     def _event(self, event: dict):
-        apply_event(self.pipe, event)
+        cue = event_cue(event)
+        self.busy = (cue, time.perf_counter()) if cue is not None else None
+        try:
+            apply_event(self.pipe, event)
+        finally:
+            self.busy = None
         self._emit(dict(event))
 
     def _next_controls(self):
@@ -208,6 +217,8 @@ class Worker(threading.Thread):
                 if self.budget is not None:
                     self.budget.check()
                 t0 = time.perf_counter()
+                if self.frames == 0:
+                    self.busy = (first_frame_cue(self.pipe.settings), t0)
                 latent = self.pipe.generate(*controls)
                 t1 = time.perf_counter()
                 frame = self.pipe.decode(latent).numpy()
@@ -215,18 +226,32 @@ class Worker(threading.Thread):
                 if self.frames == 0 and (warning := flat_frame_warning(frame)):
                     print(warning, file=sys.stderr, flush=True)
                 self.frames += 1
+                self.busy = None
                 self._emit(FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls,
                                        epoch=self.pipe.cache_epoch, bias=self.pipe.kv_cache_attention_bias,
-                                       ground_truth=self.pipe.ground_truth, kv_bytes=self.pipe.kv_bytes))
+                                       ground_truth=self.pipe.ground_truth, kv_bytes=self.pipe.kv_bytes,
+                                       compile_state=self.pipe.runner.compile_state()))
         except BaseException as exc:  # surfaced by the event loop
             self.error = exc
 
 
 RECORDINGS = Path("recordings")  # F9 and F12 outputs unless --record-dir says otherwise (git-ignored)
 
+
+def window_scale(frame_hw: tuple[int, int], screen_wh: tuple[int, int]) -> int:
+    """The integer upscaling a window opens at without --scale: the largest that fits 90% of
+    the screen, at most the one that makes the frame's short side 768 px."""
+    (h, w), (sw, sh) = frame_hw, screen_wh
+    fit = int(min(0.9 * sh / h, 0.9 * sw / w))
+    return max(1, min(fit, math.ceil(768 / min(h, w))))
+
+
+OVERLAYS = ("compact", "full", "off")  # F1 goes to the next
+
+
 @dataclass
 class PlayOptions:
-    scale: int = 4
+    scale: int | None = None  # None: from the screen (window_scale)
     smooth: bool = False
     target_fps: float = 60.0
     video_fps: float = 15.0
@@ -269,7 +294,10 @@ class Game:
         self.source, self.opt, self.budget = source, options or PlayOptions(), budget
         self.pipe: CausvidPipeline | None = None
         self.controls = Controls(*parse_bindings(None))
-        self.overlay = self.opt.overlay
+        self.overlay = "compact" if self.opt.overlay else "off"
+        self.scale = self.opt.scale or 4  # the window's, once it is open
+        self.mouse_moved = False  # a motion reached the game while grabbed (until then a hint shows)
+        self.hud: dict[str, pygame.Rect] = {}  # what the last draw put over the view: overlay, cue, hint
         self.writer: Mp4Writer | None = None
         self.recordings: list[tuple[Path, Path | None]] = []  # (asked, written: None when empty)
         self.screenshots: list[Path] = []
@@ -303,6 +331,8 @@ class Game:
             return True
         if event.type == pygame.MOUSEBUTTONDOWN and not self.controls.grabbed and self.opt.replay is None:
             self.set_grab(True)
+        if event.type == pygame.MOUSEMOTION and self.controls.grabbed:
+            self.mouse_moved = True
         if event.type == pygame.KEYDOWN and event.key in CONTROL_KEYS:
             return self.command(CONTROL_KEYS[event.key])
         if self.opt.replay is None:
@@ -314,7 +344,7 @@ class Game:
         if name == "quit":
             return False
         if name == "overlay":
-            self.overlay = not self.overlay
+            self.overlay = OVERLAYS[(OVERLAYS.index(self.overlay) + 1) % len(OVERLAYS)]
         elif name == "pause":
             w.paused = not w.paused
         elif name == "step":
@@ -354,7 +384,7 @@ class Game:
             self.recordings.append((writer.path, writer.close()))
             return
         path = path or self.output_dir() / time.strftime("recording_%Y%m%d_%H%M%S.mp4")
-        self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.opt.scale, flag="--record", need=MIN_FREE)
+        self.writer = Mp4Writer(path, fps=self.opt.video_fps, scale=self.scale, flag="--record", need=MIN_FREE)
         print(f"[owl] recording to {path} (F9 ends it)", flush=True)
 
     def output_dir(self) -> Path:
@@ -391,8 +421,15 @@ class Game:
             surf = pygame.surfarray.make_surface(np.ascontiguousarray(self.frame.swapaxes(0, 1)))
             scale = pygame.transform.smoothscale if self.opt.smooth else pygame.transform.scale
             self.screen.blit(scale(surf, size), (0, 0))
-        if self.overlay:
-            self.draw_overlay()
+        self.hud = {}
+        if self.overlay != "off":
+            self.hud["overlay"] = self.draw_box(self.overlay_lines() if self.overlay == "full" else [self.compact_line()],
+                                                "top")
+        busy = self.worker.busy
+        if busy is not None and time.perf_counter() - busy[1] > 0.3:
+            self.hud["cue"] = self.draw_box([f"{busy[0]} ...  {time.perf_counter() - busy[1]:.0f} s"], "middle")
+        if (hint := self.mouse_hint()) is not None:
+            self.hud["hint"] = self.draw_box([hint], "bottom")
         if self.writer is not None:
             pygame.draw.circle(self.screen, (230, 30, 30), (size[0] - 14, 14), 7)
         pygame.display.flip()
@@ -404,21 +441,42 @@ class Game:
             print(f"[owl] screenshot {path}", flush=True)
         self.draw_ms.append((time.perf_counter() - t0) * 1000)
 
+    def state(self) -> str:
+        r = self.last
+        return "PAUSED" if self.worker.paused else ("GT replay" if r is not None and r.ground_truth else "live")
+
+    def compact_line(self) -> str:
+        r, ms = self.last, self.pipe_ms
+        return (f"{len(ms) * 1000 / sum(ms) if ms else 0:4.1f} FPS  frame {r.index if r else 0}  "
+                f"kv {self.pipe.settings.kv_cache}  "
+                f"{self.state()}  {r.compile_state if r else ''}  F1 more")
+
+    def mouse_hint(self) -> str | None:
+        """Until the mouse steers: how to make it (none when replaying actions)."""
+        if self.opt.replay is not None:
+            return None
+        if not self.controls.grabbed:
+            return "mouse free: click the window or press F8 to steer"
+        if not self.mouse_moved:
+            return "move the mouse to look around  (click the window if it does not respond;  F8 frees it)"
+        return None
+
     def overlay_lines(self) -> list[str]:
         mean = lambda d: sum(d) / len(d) if d else 0.0  # noqa: E731
         r = self.last
         held = [b for b, on in zip(BUTTONS, self.controls.held()) if on]
-        state = "PAUSED" if self.worker.paused else ("GT replay" if r is not None and r.ground_truth else "live")
         return [
             f"FPS {self.clock.get_fps():5.1f}  pipeline {1000 / mean(self.pipe_ms) if self.pipe_ms else 0:5.1f}",
             f"denoise {r.denoise_ms if r else 0:5.1f} ms  decode {r.decode_ms if r else 0:4.1f} ms  "
             f"draw {mean(self.draw_ms):4.1f} ms",
             f"kv {self.pipe.settings.kv_cache} {(r.kv_bytes if r else 0) / 2**20:.1f} MiB  frame {r.index if r else 0}  "
-            f"epoch {r.epoch if r else 0}  bias {r.bias if r else self.pipe.settings.kv_cache_attention_bias:g}  {state}",
+            f"epoch {r.epoch if r else 0}  bias {r.bias if r else self.pipe.settings.kv_cache_attention_bias:g}  "
+            f"{self.state()}  {r.compile_state if r else ''}",
             f"mouse {r.mouse if r else [0, 0]} sens {self.controls.sensitivity:g}"
             + (f"  threads {self.budget.threads}/{self.budget.cores} (busy machine)"
                if self.budget is not None and self.budget.limited else ""),
-            "held " + (" ".join(held) or "-"),
+            "held " + (" ".join(held) or "-") + ("  mouse grabbed (F8 frees it)" if self.controls.grabbed
+                                                 else "  mouse free (click or F8)"),
         ]
 
     def fit_lines(self, texts: list[str], width: int) -> list[str]:
@@ -436,18 +494,22 @@ class Game:
             out.append(line)
         return out
 
-    def draw_overlay(self):
-        texts = self.fit_lines(self.overlay_lines(), self.screen.get_width() - 16)
-        lines = [self.font.render(t, True, (240, 240, 240)) for t in texts]
+    def draw_box(self, texts: list[str], where: str) -> pygame.Rect:
+        """Lines on a translucent box at the top-left corner, the middle or the bottom of the
+        view; returns the box."""
+        lines = [self.font.render(t, True, (240, 240, 240)) for t in self.fit_lines(texts, self.screen.get_width() - 16)]
         h = sum(s.get_height() for s in lines) + 8
         w = max(s.get_width() for s in lines) + 12
+        sw, sh = self.screen.get_size()
+        x, y = (4, 4) if where == "top" else ((sw - w) // 2, (sh - h) // 2 if where == "middle" else sh - h - 4)
         box = pygame.Surface((w, h), pygame.SRCALPHA)
         box.fill((0, 0, 0, 150))
-        self.screen.blit(box, (4, 4))
-        y = 8
+        self.screen.blit(box, (x, y))
+        rect = pygame.Rect(x, y, w, h)
         for s in lines:
-            self.screen.blit(s, (10, y))
+            self.screen.blit(s, (x + 6, y + 4))
             y += s.get_height()
+        return rect
 
     # -- main loop -----------------------------------------------------------------------------
     def open_window(self) -> bool:
@@ -457,11 +519,14 @@ class Game:
         # The title is set before the window exists, so it never appears untitled.
         pygame.display.set_caption(f"{self.pipe.world.name} | kv {self.pipe.settings.kv_cache} | "
                                    f"{self.pipe.settings.attn_backend} | Esc quits, F1 overlay")
+        self.scale = self.opt.scale or window_scale((h, w), pygame.display.get_desktop_sizes()[0])
         try:
-            self.screen = pygame.display.set_mode((w * self.opt.scale, h * self.opt.scale))
+            self.screen = pygame.display.set_mode((w * self.scale, h * self.scale))
         except pygame.error as exc:
             print(no_display_message() + f"\n  (SDL said: {exc})")
             return False
+        print(f"[owl] window {w * self.scale}x{h * self.scale} (--scale {self.scale}); F1 overlay, F8 mouse, Esc quits",
+              flush=True)
         self.font = pygame.font.Font(None, 18)
         self.clock = pygame.time.Clock()
         return True
@@ -534,7 +599,7 @@ class Game:
         wall = time.perf_counter() - start
         if self.frames_shown:
             print(f"played {self.frames_shown} frames in {wall:.1f} s: total {self.frames_shown / wall:.2f} FPS, "
-                  f"{pipeline_rate([ms / 1000 for ms in self.pipe_ms_total])}, overlay {'on' if self.overlay else 'off'}")
+                  f"{pipeline_rate([ms / 1000 for ms in self.pipe_ms_total])}, overlay {self.overlay}")
         for path, written in self.recordings:
             print(f"recorded {written}" if written is not None else f"recorded nothing to {path} (no frame was shown)")
         if actions_file is not None:

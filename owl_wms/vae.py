@@ -12,6 +12,11 @@ from .config import ConfigError, WorldConfig
 from .controls import to_uint8, to_unit
 
 
+def decode_sample(autoencoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """RGB [b,3,H,W] in [-1, 1] of latents on the autoencoder's device and dtype."""
+    return autoencoder.decode(latents).sample.float().clamp(-1, 1)
+
+
 class FrameDecoder(nn.Module):
     """``decode(latents [b,c,h,w]) -> RGB [b,3,H,W] in [-1, 1]`` around any diffusers autoencoder."""
 
@@ -23,19 +28,15 @@ class FrameDecoder(nn.Module):
         self._frame_shape: tuple[int, int] | None = None
 
     def _decode_sample(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.autoencoder.decode(latents).sample.float().clamp(-1, 1)
+        return decode_sample(self.autoencoder, latents)
 
     def compile(self, **kwargs):
         """Decode through torch.compile (one frame's shape: a single graph after the first call)."""
         self._decode = torch.compile(self._decode_sample, dynamic=False, **kwargs)
         return self
 
-    def compiled_decode(self, options: dict | None = None):
-        """A compiled decode (of latents on the autoencoder's device and dtype), to warm up
-        before ``use_decode`` installs it."""
-        return torch.compile(self._decode_sample, dynamic=False, options=options)
-
     def use_decode(self, decode) -> None:
+        """Decode latents (on the autoencoder's device and dtype) with ``decode`` from now on."""
         self._decode = decode
 
     @torch.no_grad()

@@ -80,13 +80,22 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
 
 def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path):
     """From a cold and then a warm compile cache: the first frame, then the compiled call taking
-    over, and the frame rates on both sides of the switch (the tiny world, over the ring)."""
-    bench("bench_startup", "--checkpoint", REPO / "checkpoints" / "untrained-tiny", "--seconds", 200, "--json",
-          tmp_path / "startup.json", env={"OWL_RING_MODE": "inplace"})
+    over, every graph in, and the frame rates on both sides of the switch (the tiny world, over
+    the ring)."""
+    # two layers (a local and a global one): the compile process runs at a low priority beside the
+    # frames and the other tests, and a small graph keeps its cold compile within the time limit
+    config = (REPO / "configs" / "untrained_tiny.yaml").read_text().replace("n_layers: 8", "n_layers: 2")
+    assert "n_layers: 2" in config
+    (tmp_path / "tiny2.yaml").write_text(config)
+    make_checkpoint = [sys.executable, "-m", "scripts.make_untrained_checkpoint", "--config", str(tmp_path / "tiny2.yaml"),
+                       "--out", str(tmp_path / "tiny2"), "--clips", "1", "--future", "64"]
+    subprocess.run(make_checkpoint, cwd=REPO, check=True, capture_output=True, timeout=time_limit(120))
+    bench("bench_startup", "--checkpoint", tmp_path / "tiny2", "--seconds", 250, "--threads", 1,
+          "--json", tmp_path / "startup.json", env={"OWL_RING_MODE": "inplace"}, quiet_seconds=550)
     rows = json.loads((tmp_path / "startup.json").read_text())["rows"]
     assert [r["start"] for r in rows] == ["cold compile cache", "warm compile cache"]
     for r in rows:
-        assert 0 < r["first_frame_s"] < r["compiled_after_s"] and r["fps_compiled"] > 0
+        assert 0 < r["first_frame_s"] < r["compiled_after_s"] <= r["all_graphs_after_s"] and r["fps_compiled"] > 0
 
 
 def test_bench_shared_cores_runs_the_command_alone_and_beside_a_busy_process(tmp_path):

@@ -223,3 +223,54 @@ def test_a_restored_snapshot_replays_the_same_frames_through_the_graph():
     first = play(pipe, WINDOW, seed=5)
     pipe.load_state(state)
     assert torch.equal(play(pipe, WINDOW, seed=5), first)
+
+
+def test_the_background_compile_never_traces_in_the_players_process_and_gives_the_compiled_frames(
+        tmp_path, monkeypatch):
+    """OWL_COMPILE=auto compiles in a child process: while frames run eagerly here, FX's tracer
+    never swaps ``torch.nn.Module.__call__`` in this process (a traced call on the compile's
+    thread did, and broke the frames' thread: "module is not installed as a submodule"); once
+    the loaded graph takes over, every frame call runs it and the frames are those of
+    OWL_COMPILE=1, bit for bit."""
+    import threading
+    import time
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold: a warm cache skips the tracing
+    model = random_model(tiny_config())
+    auto = pipeline("int8", False, model=model, compile_background=True)
+    logs, swapped, done = [], [], threading.Event()
+    original = torch.nn.Module.__call__
+
+    def watch():
+        while not done.is_set():
+            if torch.nn.Module.__call__ is not original:
+                swapped.append(torch.nn.Module.__call__)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert auto.runner.compile_in_background((1,), log=logs.append)
+        for _ in range(8):  # frames while the child compiles (it yields the cores to them)
+            play(auto, 1)
+        auto.runner.background.wait(600)
+    finally:
+        done.set()
+        watcher.join()
+    assert not swapped and auto.runner.compiled == "whole", logs
+    assert any("took over" in text for text in logs), logs
+    compiled = pipeline("int8", True, model=model)
+    for pipe in (auto, compiled):
+        pipe.hard_cut(*history(pipe.cfg, seed=3, frames=WINDOW))
+    eager_calls = auto.frame_calls
+    assert torch.equal(play(auto, WINDOW + 2), play(compiled, WINDOW + 2))
+    assert auto.frame_calls == eager_calls  # no call fell back to the eager frame call
+    # a later start loads the kept graph: no compile process, and the same frames
+    again = pipeline("int8", False, model=model, compile_background=True)
+    assert again.runner.compile_in_background((1,), log=logs.append)
+    play(again, 2)  # the kept graphs load once a frame is made
+    assert again.runner.background.wait(60) and again.runner.background.process is None
+    assert again.runner.compiled == "whole", logs
+    again.hard_cut(*history(again.cfg, seed=3, frames=WINDOW))
+    compiled.hard_cut(*history(compiled.cfg, seed=3, frames=WINDOW))
+    assert torch.equal(play(again, 3), play(compiled, 3))

@@ -94,7 +94,7 @@ def test_play_session_controls_record_and_replay_exactly(dummy_video, tmp_path):
     assert any(f["mouse"] == [10.0, -4.0] for f in frames)  # motion x sensitivity 2, once
     assert any(f["buttons"][0] == 1 for f in frames) and frames[-1]["buttons"][0] == 0
     assert events == ["restart", "clip", "ground_truth", "ground_truth"]
-    assert not game.overlay and game.controls.sensitivity == 2.5
+    assert game.overlay == "full" and game.controls.sensitivity == 2.5  # F1: compact -> full
     shot = game.screenshots[0]
     assert shot.is_file() and pygame.image.load(str(shot)).get_size() == (128, 128)
     assert count_frames(tmp_path / "rec.mp4") == 14
@@ -221,7 +221,7 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
         env = {**{k: v for k, v in NO_OWL.items() if k != "SDL_VIDEODRIVER"}, "DISPLAY": display}
         game = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--record", str(tmp_path / "x.mp4"),
                                  "--save-actions", str(tmp_path / "x.jsonl"), "--record-dir", str(tmp_path),
-                                 "--max-frames", "90", "--scale", "4"], cwd=REPO, env=env,
+                                 "--max-frames", "90"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         xdo = lambda *a: subprocess.run(["xdotool", *a], env=env, capture_output=True, text=True)  # noqa: E731
         deadline = time.time() + time_limit(120)
@@ -249,13 +249,14 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
     shots = list(tmp_path.glob("screenshot_*.png"))
     assert shots, out
     img = pygame.surfarray.array3d(pygame.image.load(str(shots[0])))
-    assert img.shape[:2] == (256, 256) and img.std() > 5  # a real picture, not a blank window
+    # the window sized from Xvfb's 800x600 screen (at least 512 px), and a real picture in it
+    assert img.shape[:2] == (512, 512) and img.std() > 5 and "--scale 8" in out
     lines = read_lines(tmp_path / "x.jsonl")
     assert sum("mouse" in x for x in lines) == 90 and count_frames(tmp_path / "x.mp4") == 90
     assert any(x.get("buttons", [0])[0] == 1 for x in lines)  # xdotool's W reached the pipeline
     assert any(x.get("mouse", [0, 0])[0] > 0 for x in lines)  # and so did its mouse motion
     r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
-                        str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "replay.mp4")],
+                        str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "replay.mp4"), "--scale", "8"],
                        cwd=REPO, env=NO_OWL, capture_output=True, text=True, timeout=time_limit(300))
     assert r.returncode == 0 and np.array_equal(read_frames(tmp_path / "x.mp4"), read_frames(tmp_path / "replay.mp4"))
 
@@ -302,3 +303,65 @@ def test_recordings_and_screenshots_go_to_a_folder_made_when_first_used(dummy_vi
     (tmp_path / "recordings").write_text("not a folder")
     with pytest.raises(OutputPathError, match="is a file, not a folder"):
         PlayOptions.from_args(parse_args([]))
+
+
+def test_default_window_fits_the_screen_with_a_corner_overlay_and_says_what_it_waits_for(dummy_video, tmp_path,
+                                                                                          monkeypatch):
+    """Without --scale the window opens from the screen's size (SDL's dummy screen is 1024x768:
+    640 px), the default overlay is a corner box over at most 15% of the view (F1: the full one,
+    then none), a slow event between frames shows its cue in the middle of the view while it
+    runs, and until the mouse steers a hint says how."""
+    import inference.play as play
+    from inference.causvid_pipeline import CausvidPipeline
+    from inference.play import PlayOptions, window_scale
+
+    assert window_scale((64, 64), (1024, 768)) == 10 and window_scale((64, 64), (1920, 1080)) == 12
+    assert window_scale((64, 64), (800, 600)) == 8 and window_scale((64, 64), (100, 60)) == 1
+    seen, boxes = {}, {}
+    apply = play.apply_event
+
+    def slow_event(pipe, event):  # the level loads for a while: the cue is up meanwhile
+        time.sleep(0.6)
+        seen[event["event"]] = game.worker.busy[0] if game.worker.busy else None
+        apply(pipe, event)
+
+    monkeypatch.setattr(play, "apply_event", slow_event)
+    key = lambda k: E(pygame.KEYDOWN, key=k)  # noqa: E731
+
+    script = {2: [key(pygame.K_F7)], 5: [key(pygame.K_F1)], 6: [key(pygame.K_F1)]}
+
+    class Watched(play.Game):
+        def on_frame(self, r):
+            super().on_frame(r)
+            for ev in script.get(self.frames_shown, []):
+                pygame.event.post(ev)
+
+        def draw(self):
+            super().draw()
+            boxes["view"] = [self.screen.get_rect()]
+            for name, rect in self.hud.items():
+                boxes.setdefault(self.overlay if name == "overlay" else name, []).append(rect.copy())
+
+    game = Watched(CausvidPipeline.from_checkpoint(verbose=False), PlayOptions(max_frames=8, record_dir=tmp_path))
+    assert game.run() == 0
+    view = boxes["view"][0].w * boxes["view"][0].h
+    assert boxes["view"][0].size == (640, 640) and game.overlay == "off"
+    assert boxes["compact"] and max(r.w * r.h for r in boxes["compact"]) <= 0.15 * view
+    assert all(r.topleft == (4, 4) for r in boxes["compact"])
+    assert boxes["full"] and max(r.w * r.h for r in boxes["full"]) > max(r.w * r.h for r in boxes["compact"])
+    assert seen["world_seed"] == "loading level 0" and boxes["cue"]  # drawn while the level loaded
+    assert all(abs(r.centery - 320) <= 1 for r in boxes["cue"])
+    assert boxes["hint"]  # no mouse motion reached the game: the hint stayed
+
+
+def test_every_slow_step_has_its_cue():
+    """What the window (in its middle) and a headless run (on its progress bar) say while it waits."""
+    from inference.cues import event_cue, first_frame_cue
+    from owl_wms.settings import Settings
+
+    assert first_frame_cue(Settings(compile=True)).startswith("compiling the frame call")
+    assert first_frame_cue(Settings()) == "making the first frame"
+    assert event_cue({"event": "restart"}) == "restarting from the clip's history"
+    assert event_cue({"event": "world_seed", "seed": 7}) == "loading level 7"
+    assert event_cue({"event": "clip", "clip": 2}) == "loading clip 2"
+    assert event_cue({"event": "bias", "value": 1.0}) is None  # instant: no cue

@@ -103,3 +103,17 @@ def test_readme_python_example_runs(monkeypatch, capsys):
     assert len(shape) == 3 and shape[2] == 3 and str(scope["frame"].dtype) == "torch.uint8"
     assert pipe.cache_epoch == 2 and pipe.frame_index == 1  # the load at start-up, then the example's hard cut
     assert "epoch 2 frame 1" in capsys.readouterr().out
+
+
+def test_every_measured_figure_in_the_readme_is_on_the_results_page():
+    """A figure the README states (dB, ratios, frame rates, milliseconds; outside commands) is one
+    the results page lists with its machine, command and commit, and the README links there."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    results = (REPO / "docs" / "results.md").read_text()
+    prose = re.sub(r"```.*?```", "", readme, flags=re.S)
+    figures = re.findall(r"(\d+\.\d+)\s?(?:dB|x\b|FPS|ms\b)", prose)
+    assert figures, "the README states measured figures"
+    assert not [f for f in figures if f not in results], "README figures missing from docs/results.md"
+    assert "docs/results.md" in readme

@@ -35,9 +35,9 @@ class ModelRunner:
         self.ring_blocker = ring_blocker(self.kv_plan, s.kv.ring_mode)
         self.frame_call = self.core  # what runs a generated frame's call over the ring
         self.compiled = None  # "whole" (one graph per frame call) or "blocks" (a graph per block half)
-        self.background = None  # the thread compiling the frame call while frames run eagerly
-        self.graphs: dict[tuple[int, int], object] = {}  # (batch rows, threads) -> its built compiled call
-        self.frame_calls = 0  # frame calls made (the background compile starts after the first frame)
+        self.background = None  # the child process compiling the frame call while frames run eagerly
+        self.graphs: dict[tuple[int, int], object] = {}  # (batch rows, threads) -> its compiled call, loaded
+        self.frame_calls = 0  # generated frames' calls made (the background compile waits for a frame)
         self.calls = 0  # model calls made (a step's count is checked against its plan)
         # why a frame's call cannot be one graph of the model as written (None: it can)
         self.graph_blocker = (self.ring_blocker or ("the ring guard checks every write on the host" if s.kv.guard else None)
@@ -60,58 +60,44 @@ class ModelRunner:
         # host-bound frame that Python was the largest fixed cost.
         return {"cpp_wrapper": True} if self.device.type == "cpu" else None
 
+    def _graph_options(self) -> dict:
+        return {**(self._wrapper() or {}), **eager_division()}  # in-graph quantization rounds as eager
+
     def _compiled_frame_call(self):
-        options = {**(self._wrapper() or {}), **eager_division()}  # in-graph quantization rounds as eager
-        return torch.compile(self.core, fullgraph=True, dynamic=False, options=options)
+        return torch.compile(self.core, fullgraph=True, dynamic=False, options=self._graph_options())
 
     def compile_in_background(self, rows: tuple[int, ...] = (1,), threads: tuple[int, ...] = (), log=print) -> bool:
-        """Compile the frame call (and the decoder) on a thread of its own while frames run
-        eagerly: once the first frame is made, each CPU thread count (the current one, then those
-        of ``threads``: the counts the app may switch to) and each batch size of ``rows`` is traced
-        and run once on a scratch ring, and a call whose batch size and thread count have their
-        graph built runs it from then on (the others stay eager: never a compile on the frames'
-        thread). False where a frame call cannot be one graph (the eager or per-block path stays)."""
+        """Once the first frame is made, load the frame call's graphs (and the decoder's) an
+        earlier start kept, and compile the others in a child process while frames run eagerly
+        (precompile.py says why a process, not a thread): one for each CPU thread count (the
+        current one, then those of ``threads``: the counts the app may switch to) and each batch
+        size of ``rows``. A call whose batch size and thread count have a graph runs it from then
+        on, the others stay eager: never a compile on the frames' thread. False where a frame
+        call cannot be one graph (the eager or per-block path stays)."""
         if self.graph_blocker is not None or self.compiled is not None or self.background is not None:
             return False
-        import threading
+        from .precompile import BackgroundCompile, CompileJob
 
-        counts = [torch.get_num_threads(), *(t for t in threads if t != torch.get_num_threads())]
-        self.background = threading.Thread(target=self._build, args=(rows, counts, log), daemon=True,
-                                           name="owl-compile")
-        self.background.start()
+        counts = (torch.get_num_threads(), *(t for t in threads if t != torch.get_num_threads()))
+        job = CompileJob(self.core, self.decoder.autoencoder if self.decoder is not None else None, self.cache_cfg,
+                         self.kv_plan, str(self.device), self.dtype, tuple(rows), counts,
+                         self._graph_options())
+        self.background = BackgroundCompile(job, self._install_graph, self._take_over, log)
         return True
 
-    @torch.no_grad()
-    def _build(self, rows, counts, log):
-        import time
+    def _install_graph(self, rows: int, threads: int, graph) -> None:
+        self.graphs[(rows, threads)] = graph
 
-        start = time.perf_counter()
-        while self.frame_calls < 2 and time.perf_counter() - start < 30:
-            time.sleep(0.02)  # the first frame first: it comes as fast as without a compile
-        try:
-            call = self._compiled_frame_call()
-            decode = self.decoder.compiled_decode(self._wrapper()) if self.decoder is not None else None
-            cfg = self.cfg
-            for threads in counts:
-                torch.set_num_threads(threads)  # this thread's count: a graph is built per count
-                for n in rows:
-                    scratch = RingCache(self.cache_cfg, self.kv_plan, n, self.device, self.dtype)
-                    x = torch.zeros(n, 1, cfg.channels, cfg.sample_size, cfg.sample_size, device=self.device,
-                                    dtype=self.dtype)
-                    t = torch.ones(n, 1, device=self.device, dtype=self.dtype)
-                    call(x, t, x.new_zeros(n, 1, 2), x.new_zeros(n, 1, cfg.n_buttons), kv_cache=scratch)
-                    if decode is not None and threads == counts[0]:
-                        decode(torch.zeros(n, cfg.channels, cfg.sample_size, cfg.sample_size, device=self.device))
-                    self.graphs[(n, threads)] = call
-                if threads == counts[0]:
-                    self.compiled = "whole"
-                    if decode is not None:
-                        self.decoder.use_decode(decode)
-                    log(f"[owl] compile: the compiled frame call took over after {time.perf_counter() - start:.0f} s "
-                        f"(batch sizes {', '.join(map(str, rows))}; {threads} threads"
-                        + (f"; {', '.join(map(str, counts[1:]))} threads follow)" if counts[1:] else ")"))
-        except Exception as exc:  # noqa: BLE001 - frames go on eagerly; say why once
-            log(f"[owl] compile: frames stay eager ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+    def _take_over(self, decode) -> None:
+        self.compiled = "whole"
+        if decode is not None:
+            self.decoder.use_decode(decode)
+
+    def compile_state(self) -> str:
+        """For a status line: "eager", "compiled", or the background compile's progress."""
+        if self.background is not None and not self.background.wait(0):
+            return f"{'compiled' if self.compiled else 'eager'}, compiling {self.background.progress()}"
+        return "compiled" if self.compiled else "eager"
 
     @property
     def uses_ring(self) -> bool:
@@ -142,11 +128,14 @@ class ModelRunner:
             cache.enable_cache_updates()
         if cache.in_place and x.shape[1] == 1:  # a frame over the ring: the graph of the model as written
             cache.set_bias(bias)
-            self.frame_calls += 1
-            call = self.graphs.get((x.shape[0], torch.get_num_threads()), self.frame_call)
+            graph = self.graphs.get((x.shape[0], torch.get_num_threads()))
             try:
-                return call(x, t, mouse, buttons, kv_cache=cache)
+                out = graph(x, t, mouse, buttons, kv_cache=cache) if graph is not None else None
+                return self.frame_call(x, t, mouse, buttons, kv_cache=cache) if out is None else out
             finally:
+                self.frame_calls += 1
+                if self.background is not None and self.frame_calls > 2:  # the next frame's call: one is made
+                    self.background.first_frame.set()
                 cache.disable_cache_updates()
         try:
             return self.core(x, t, mouse, buttons, kv_cache=cache, attn_bias=bias)

@@ -1,0 +1,236 @@
+"""The frame call and the decoder compiled in a child process while frames run eagerly, and kept
+for the next start.
+
+torch.compile traces with FX, and FX's tracer replaces ``torch.nn.Module.__call__`` for the
+whole process while it traces: a model called on another thread meanwhile runs through the
+tracer and fails ("module is not installed as a submodule") or is traced into the wrong graph.
+So the compile runs in a spawned child process, over the same modules (their weights shared in
+memory, not copied), at a lower CPU priority, and saves each graph with torch's ahead-of-time
+compile (``aot_compile``) into the compile cache folder, under a key of everything the graph
+depends on. The app's process only loads saved graphs (no tracing there): a later start with
+the same key loads them at once, without a compile. A graph runs wherever its guards hold, and
+the call runs eagerly elsewhere.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..ring import RingCache
+from ..vae import decode_sample
+
+
+def frame_call(core, x, t, mouse, buttons, kv_cache):
+    """A generated frame's model call over the ring: what compiles into one graph."""
+    return core(x, t, mouse, buttons, kv_cache=kv_cache)
+
+
+@dataclass
+class CompileJob:
+    """What to compile: the frame call for each batch size of ``rows`` at each CPU thread count
+    of ``counts`` (a CPU graph is built for one count), and the decoder for each batch size at
+    the first count."""
+    core: torch.nn.Module
+    autoencoder: torch.nn.Module | None
+    cache_cfg: object
+    plans: list
+    device: str
+    dtype: torch.dtype
+    rows: tuple[int, ...]
+    counts: tuple[int, ...]
+    options: dict
+
+    def items(self) -> list[tuple[str, int, int]]:
+        """(kind, batch size, threads) of each graph, in the order they are built."""
+        out = []
+        for threads in self.counts:
+            for n in self.rows:
+                out.append(("frame", n, threads))
+                if self.autoencoder is not None and threads == self.counts[0]:
+                    out.append(("decode", n, threads))
+        return out
+
+    def path(self, kind: str, n: int, threads: int) -> Path:
+        """Where the graph is kept: named by a digest of what it depends on (the code of this
+        package, torch, the CPU's vector instructions, the shapes and settings), not the weights,
+        which it takes as inputs."""
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        digest = hashlib.sha256(package_digest())
+        module = self.core if kind == "frame" else self.autoencoder
+        shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.state_dict().items()]
+        digest.update(repr((torch.__version__, str(pick_vec_isa()), self.device, str(self.dtype), self.cache_cfg,
+                            self.plans, self.options, kind, n, threads, shapes)).encode())
+        return Path(cache_dir()) / "owl-graphs" / f"{kind}-{digest.hexdigest()[:32]}.bin"
+
+
+@functools.cache
+def package_digest() -> bytes:
+    """A digest of this package's code, which a graph's trace took in."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        digest.update(source.read_bytes())
+    return digest.digest()
+
+
+class Precompiled:
+    """A graph loaded from its file, called with its module: None where its guards do not hold
+    for the inputs (then the caller runs eagerly)."""
+
+    def __init__(self, path: Path, module: torch.nn.Module):
+        with open(path, "rb") as f:
+            self.fn = torch.compiler.load_compiled_function(f, external_data={"module": module})
+        self.fn.disable_guard_check()  # checked here, so a miss falls back instead of raising
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        if not self.fn.guard_check(self.module, *args, **kwargs):
+            return None
+        return self.fn(self.module, *args, **kwargs)
+
+
+class DecodeByBatch:
+    """The decoder's compiled graph for each batch size it was compiled for; eager for others."""
+
+    def __init__(self, autoencoder: torch.nn.Module, graphs: dict[int, Precompiled]):
+        self.autoencoder, self.graphs = autoencoder, graphs
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        graph = self.graphs.get(latents.shape[0])
+        out = graph(latents) if graph is not None else None
+        return decode_sample(self.autoencoder, latents) if out is None else out
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:  # the app ended without ending us (os._exit, a kill)
+            os._exit(0)
+
+
+@torch.no_grad()
+def compile_graphs(job: CompileJob, items: list[tuple[str, int, int]], conn) -> None:
+    """The child: compiles and saves each graph of ``items``, telling the parent as each is written."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the app, which ends us
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    cfg = job.cache_cfg
+    try:
+        for kind, n, threads in items:
+            torch.set_num_threads(threads)
+            path = job.path(kind, n, threads)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if kind == "frame":
+                scratch = RingCache(cfg, job.plans, n, job.device, job.dtype)
+                x = torch.zeros(n, 1, cfg.channels, cfg.sample_size, cfg.sample_size, device=job.device, dtype=job.dtype)
+                module, fn = job.core, frame_call
+                example = ((job.core, x, x.new_ones(n, 1), x.new_zeros(n, 1, 2), x.new_zeros(n, 1, cfg.n_buttons)),
+                           {"kv_cache": scratch})
+            else:
+                p = next(job.autoencoder.parameters())
+                latents = torch.zeros(n, cfg.channels, cfg.sample_size, cfg.sample_size, device=p.device, dtype=p.dtype)
+                module, fn, example = job.autoencoder, decode_sample, ((job.autoencoder, latents), {})
+            graph = torch.compile(fn, fullgraph=True, dynamic=False, options=job.options).aot_compile(example)
+            graph.save_compiled_function(str(path), external_data={"module": module})  # written atomically
+            conn.send(("built", kind, n, threads))
+    except Exception as exc:  # noqa: BLE001 - the app's frames go on eagerly; it says why
+        conn.send(("error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}", 0, 0))
+    conn.close()
+
+
+class BackgroundCompile:
+    """Loads the job's graphs on a thread of the app's process once the first frame is made:
+    those kept by an earlier start at once, the others as a child process builds them.
+    ``on_graph(rows, threads, graph)`` installs a frame graph, ``on_ready(decode)`` runs once
+    the first thread count's graphs (and the decoder's) are in, ``log`` says what happened."""
+
+    def __init__(self, job: CompileJob, on_graph, on_ready, log=print):
+        self.job, self.on_graph, self.on_ready, self.log = job, on_graph, on_ready, log
+        self.first_frame = threading.Event()  # set by the caller once a frame is made
+        self.done = threading.Event()  # every graph is in (or the compile gave up)
+        self.process = None
+        self.started = time.perf_counter()
+        self.decodes: dict[int, Precompiled] = {}
+        self.loaded: set[tuple[str, int, int]] = set()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="owl-compile-loader")
+        self.thread.start()
+
+    def _load(self, item: tuple[str, int, int]) -> bool:
+        kind, n, threads = item
+        path = self.job.path(*item)
+        if not path.exists():
+            return False
+        try:
+            graph = Precompiled(path, self.job.core if kind == "frame" else self.job.autoencoder)
+        except Exception:  # noqa: BLE001 - a kept graph from another build: build it again
+            path.unlink(missing_ok=True)
+            return False
+        if kind == "frame":
+            self.on_graph(n, threads, graph)
+        else:
+            self.decodes[n] = graph
+        self.loaded.add(item)
+        first = [i for i in self.job.items() if i[2] == self.job.counts[0]]
+        if item[2] == self.job.counts[0] and all(i in self.loaded for i in first):
+            job = self.job
+            self.on_ready(DecodeByBatch(job.autoencoder, self.decodes) if job.autoencoder is not None else None)
+            rest = job.counts[1:]
+            self.log(f"[owl] compile: the compiled frame call took over after {time.perf_counter() - self.started:.0f} s "
+                     f"(batch sizes {', '.join(map(str, job.rows))}; {threads} threads"
+                     + (f"; {', '.join(map(str, rest))} threads follow)" if rest else ")"))
+        return True
+
+    def _run(self) -> None:
+        self.first_frame.wait(30)  # the first frame first: it comes as fast as without a compile
+        try:
+            missing = [item for item in self.job.items() if not self._load(item)]
+            if missing:
+                self._build(missing)
+        except Exception as exc:  # noqa: BLE001 - frames go on eagerly; say why once
+            self.log(f"[owl] compile: frames stay eager (the background compile failed: {type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0][:160] if str(exc) else ''})")
+        finally:
+            self.done.set()
+
+    def _build(self, items) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe(duplex=False)
+        # the modules' weights move to shared memory as they are sent: the child reads, not copies, them
+        self.process = ctx.Process(target=compile_graphs, args=(self.job, items, child_conn), daemon=True,
+                                   name="owl-compile")
+        self.process.start()
+        os.setpriority(os.PRIO_PROCESS, self.process.pid, 10)  # the frames being played come first
+        child_conn.close()
+        while True:
+            try:
+                what, kind, n, threads = conn.recv()
+            except EOFError:
+                self.process.join(5)
+                if self.process.exitcode:
+                    self.log(f"[owl] compile: frames stay eager (the compile process ended with exit code "
+                             f"{self.process.exitcode})")
+                return
+            if what == "error":
+                self.log(f"[owl] compile: frames stay eager ({kind})")
+            elif not self._load((kind, n, threads)):
+                self.log(f"[owl] compile: frames stay eager (the {kind} graph built for batch size {n} did not load)")
+
+    def progress(self) -> str:
+        """What is in so far, for a status line: "2/3 graphs, 41 s"."""
+        return f"{len(self.loaded)}/{len(self.job.items())} graphs, {time.perf_counter() - self.started:.0f} s"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every graph is in (or the compile gave up)."""
+        return self.done.wait(timeout)
