@@ -1,12 +1,15 @@
 """Frames per second of the streaming pipeline.
 
     python -m scripts.bench_pipeline [--frames 32] [--prod-window 8] [--device cpu] [--skip-prod] [--checkpoint C ...]
+                                     [--compare-backends]
 
 Rows measured in one run: the shipped default world (or each ``--checkpoint``; denoise + decode), and the
 production-size GameRFT (16 layers, d_model 1536, 24 heads, 64 tokens/frame, random
 weights, bf16) with a reduced window (denoise only: no production decoder ships here).
 Then each one's prefill (a window of history in one model call), with SDPA in query chunks
-(the default) and as one masked call per layer, alternating.
+(the default) and as one masked call per layer, alternating. ``--compare-backends`` adds each
+world's frame with SDPA and with FlexAttention (eager unless ``--compile``), alternating frame by
+frame, and FlexAttention's median time over SDPA's.
 """
 from __future__ import annotations
 
@@ -67,6 +70,26 @@ def prefill_rows(name: str, prefill, rounds: int, sync) -> list[dict]:
             for label, t in times.items()]
 
 
+def backend_rows(name: str, build, walk, frames: int, warmup: int, sync) -> list[dict]:
+    """A frame's time with SDPA and with FlexAttention, alternating frame by frame (after
+    ``warmup`` frames of each), and the second's median over the first's."""
+    pipes = {backend: build(backend) for backend in ("sdpa", "flex")}
+    for pipe in pipes.values():
+        for _ in range(warmup):
+            pipe.generate(*walk)
+    times = {backend: [] for backend in pipes}
+    for _ in range(frames):
+        for backend, pipe in pipes.items():
+            t0 = time.perf_counter()
+            pipe.generate(*walk)
+            sync()
+            times[backend].append(time.perf_counter() - t0)
+    ratio = statistics.median(times["flex"]) / statistics.median(times["sdpa"])
+    return [row(f"{name} denoise only, {backend} (alternating)", t, **({"flex_over_sdpa": ratio} if backend == "flex"
+                                                                         else {}))
+            for backend, t in times.items()]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=32)
@@ -77,6 +100,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex"])
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--compare-backends", action="store_true",
+                   help="also time each world's frame with SDPA and FlexAttention, alternating")
     p.add_argument("--skip-prod", action="store_true")
     p.add_argument("--checkpoint", action="append", default=None,
                    help="a world checkpoint folder to measure (repeat to compare worlds in one run; default: the shipped one)")
@@ -97,6 +122,10 @@ def main(argv=None):
         rows.append(row(f"{name} denoise+decode", timed(lambda: pipe(*walk), args.frames, args.warmup, sync)))
         rows.append(row(f"{name} denoise only", timed(lambda: pipe.generate(*walk), args.frames, args.warmup, sync)))
         rows += prefill_rows(name, lambda: pipe.load_clip(0), args.prefill_rounds, sync)
+        if args.compare_backends:
+            rows += backend_rows(name, lambda backend: CausvidPipeline.from_checkpoint(
+                checkpoint, settings=settings.replace(attn_backend=backend, attn_backend_decode=backend), verbose=False),
+                walk, args.frames, args.warmup, sync)
 
     if not args.skip_prod:
         cfg = ModelConfig.from_mapping(PRODUCTION)
@@ -124,6 +153,7 @@ def main(argv=None):
     print(f"\n{'config':<100} {'FPS':>8} {'median ms':>10} {'p95 ms':>8}")
     for r in rows:
         ratio = f"  (one call / chunks: {r['one_call_over_chunks']:.2f}x)" if "one_call_over_chunks" in r else ""
+        ratio += f"  (FlexAttention / SDPA: {r['flex_over_sdpa']:.2f}x)" if "flex_over_sdpa" in r else ""
         print(f"{r['config']:<100} {r['fps']:>8.2f} {r['median_ms']:>10.1f} {r['p95_ms']:>8.1f}{ratio}")
     if args.json:
         with open(args.json, "w") as f:

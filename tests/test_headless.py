@@ -307,3 +307,8 @@ def test_bench_pipeline_measures_each_checkpoint_in_one_run(capsys):
     for name in (f"{tiny} (", f"{world} (maze-world, d_model {d_model}, window 32)"):
         # denoise+decode, denoise only and 2 prefill rows, each as measured and in the table
         assert out.count(name) == 8, out
+    bench_pipeline.main(["--skip-prod", "--frames", "2", "--warmup", "1", "--prefill-rounds", "1",
+                         "--checkpoint", str(tiny), "--compare-backends"])
+    out = capsys.readouterr().out
+    assert out.count(f"{tiny} (") == 12 and out.count("(alternating)") == 4, out
+    assert re.search(r"\(FlexAttention / SDPA: \d+\.\d+x\)", out), out
