@@ -13,7 +13,6 @@ game buttons:
 from __future__ import annotations
 
 import collections
-import math
 import os
 import queue
 import sys
@@ -240,10 +239,10 @@ RECORDINGS = Path("recordings")  # F9 and F12 outputs unless --record-dir says o
 
 def window_scale(frame_hw: tuple[int, int], screen_wh: tuple[int, int]) -> int:
     """The integer upscaling a window opens at without --scale: the largest that fits 90% of
-    the screen, at most the one that makes the frame's short side 768 px."""
+    the screen, with the frame's short side at most 768 px (and --scale's limit, 16)."""
     (h, w), (sw, sh) = frame_hw, screen_wh
     fit = int(min(0.9 * sh / h, 0.9 * sw / w))
-    return max(1, min(fit, math.ceil(768 / min(h, w))))
+    return max(1, min(fit, 768 // min(h, w), 16))
 
 
 OVERLAYS = ("compact", "full", "off")  # F1 goes to the next
@@ -519,7 +518,8 @@ class Game:
         # The title is set before the window exists, so it never appears untitled.
         pygame.display.set_caption(f"{self.pipe.world.name} | kv {self.pipe.settings.kv_cache} | "
                                    f"{self.pipe.settings.attn_backend} | Esc quits, F1 overlay")
-        self.scale = self.opt.scale or window_scale((h, w), pygame.display.get_desktop_sizes()[0])
+        screens = pygame.display.get_desktop_sizes()
+        self.scale = self.opt.scale or (window_scale((h, w), screens[0]) if screens else 4)
         try:
             self.screen = pygame.display.set_mode((w * self.scale, h * self.scale))
         except pygame.error as exc:

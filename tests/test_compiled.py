@@ -274,3 +274,19 @@ def test_the_background_compile_never_traces_in_the_players_process_and_gives_th
     again.hard_cut(*history(again.cfg, seed=3, frames=WINDOW))
     compiled.hard_cut(*history(compiled.cfg, seed=3, frames=WINDOW))
     assert torch.equal(play(again, 3), play(compiled, 3))
+
+
+def test_weights_that_cannot_move_to_shared_memory_leave_frames_eager_with_the_reason(monkeypatch):
+    """The compile process reads the weights from shared memory; where they cannot move there (a
+    small /dev/shm), no process starts and the frames stay eager, saying why."""
+    auto = pipeline("int8", False, compile_background=True)
+
+    def no_room(*_):
+        raise RuntimeError("unable to write to file </torch_1_0>: No space left on device")
+
+    monkeypatch.setattr(auto.runner.core, "share_memory", no_room)
+    logs = []
+    assert not auto.runner.compile_in_background((1,), log=logs.append)
+    assert auto.runner.background is None and auto.runner.compile_state() == "eager"
+    assert "frames stay eager" in logs[0] and "No space left on device" in logs[0]
+    play(auto, 2)

@@ -59,16 +59,22 @@ class CompileJob:
 
     def path(self, kind: str, n: int, threads: int) -> Path:
         """Where the graph is kept: named by a digest of what it depends on (the code of this
-        package, torch, the CPU's vector instructions, the shapes and settings), not the weights,
-        which it takes as inputs."""
+        package, the module's class and library, torch and Inductor's settings, the CPU's vector
+        instructions, the shapes and settings), not the weights, which it takes as inputs."""
+        from importlib.metadata import version
+
+        from torch._inductor import config as inductor
         from torch._inductor.cpu_vec_isa import pick_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         digest = hashlib.sha256(package_digest())
         module = self.core if kind == "frame" else self.autoencoder
         shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.state_dict().items()]
-        digest.update(repr((torch.__version__, str(pick_vec_isa()), self.device, str(self.dtype), self.cache_cfg,
-                            self.plans, self.options, kind, n, threads, shapes)).encode())
+        library = type(module).__module__.split(".")[0]
+        digest.update(repr((torch.__version__, sorted(inductor.save_config_portable().items()), str(pick_vec_isa()),
+                            type(module).__module__, type(module).__qualname__,
+                            version(library) if library != "owl_wms" else "", self.device, str(self.dtype),
+                            self.cache_cfg, self.plans, self.options, kind, n, threads, shapes)).encode())
         return Path(cache_dir()) / "owl-graphs" / f"{kind}-{digest.hexdigest()[:32]}.bin"
 
 
@@ -197,8 +203,8 @@ class BackgroundCompile:
             if missing:
                 self._build(missing)
         except Exception as exc:  # noqa: BLE001 - frames go on eagerly; say why once
-            self.log(f"[owl] compile: frames stay eager (the background compile failed: {type(exc).__name__}: "
-                     f"{str(exc).splitlines()[0][:160] if str(exc) else ''})")
+            self.log(f"[owl] compile: the background compile failed ({type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); {self.in_use()}")
         finally:
             self.done.set()
 
@@ -211,21 +217,33 @@ class BackgroundCompile:
         self.process = ctx.Process(target=compile_graphs, args=(self.job, items, child_conn), daemon=True,
                                    name="owl-compile")
         self.process.start()
-        os.setpriority(os.PRIO_PROCESS, self.process.pid, 10)  # the frames being played come first
         child_conn.close()
-        while True:
-            try:
-                what, kind, n, threads = conn.recv()
-            except EOFError:
-                self.process.join(5)
-                if self.process.exitcode:
-                    self.log(f"[owl] compile: frames stay eager (the compile process ended with exit code "
-                             f"{self.process.exitcode})")
-                return
-            if what == "error":
-                self.log(f"[owl] compile: frames stay eager ({kind})")
-            elif not self._load((kind, n, threads)):
-                self.log(f"[owl] compile: frames stay eager (the {kind} graph built for batch size {n} did not load)")
+        try:
+            try:  # the frames being played come first (never below the app's own priority)
+                os.setpriority(os.PRIO_PROCESS, self.process.pid, max(10, os.getpriority(os.PRIO_PROCESS, 0)))
+            except (OSError, AttributeError):
+                pass
+            while True:
+                try:
+                    what, kind, n, threads = conn.recv()
+                except EOFError:
+                    self.process.join(5)
+                    if self.process.exitcode:
+                        self.log(f"[owl] compile: the compile process ended with exit code {self.process.exitcode}; "
+                                 f"{self.in_use()}")
+                    return
+                if what == "error":
+                    self.log(f"[owl] compile: stopped ({kind}); {self.in_use()}")
+                elif not self._load((kind, n, threads)):
+                    self.log(f"[owl] compile: the {kind} graph built for batch size {n} did not load; {self.in_use()}")
+        finally:
+            if self.process.is_alive():  # left early: nobody would read what it builds
+                self.process.terminate()
+            conn.close()
+
+    def in_use(self) -> str:
+        return (f"the {len(self.loaded)} graphs in so far stay in use, the other calls eager" if self.loaded
+                else "frames stay eager")
 
     def progress(self) -> str:
         """What is in so far, for a status line: "2/3 graphs, 41 s"."""

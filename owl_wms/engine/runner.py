@@ -78,6 +78,15 @@ class ModelRunner:
             return False
         from .precompile import BackgroundCompile, CompileJob
 
+        try:  # the compile process reads the weights from shared memory: moved there now, before any
+            # frame runs (moving them while a frame reads them would free the memory it reads)
+            self.core.share_memory()
+            if self.decoder is not None:
+                self.decoder.share_memory()
+        except (RuntimeError, OSError) as exc:
+            log(f"[owl] compile: frames stay eager (the weights could not move to shared memory for the compile "
+                f"process: {exc}; a small /dev/shm?)")
+            return False
         counts = (torch.get_num_threads(), *(t for t in threads if t != torch.get_num_threads()))
         job = CompileJob(self.core, self.decoder.autoencoder if self.decoder is not None else None, self.cache_cfg,
                          self.kv_plan, str(self.device), self.dtype, tuple(rows), counts,
