@@ -290,3 +290,20 @@ def test_weights_that_cannot_move_to_shared_memory_leave_frames_eager_with_the_r
     assert auto.runner.background is None and auto.runner.compile_state() == "eager"
     assert "frames stay eager" in logs[0] and "No space left on device" in logs[0]
     play(auto, 2)
+
+
+def test_kept_graphs_unused_for_a_month_are_pruned(tmp_path):
+    """Each change of the code or settings names new graph files: those no start used for 30 days
+    go (a loaded graph's file is touched), the others stay."""
+    import os
+    import time
+
+    from owl_wms.engine.precompile import prune_graphs
+
+    old, recent = tmp_path / "frame-old.bin", tmp_path / "frame-recent.bin"
+    for path in (old, recent):
+        path.write_bytes(b"graph")
+    month_ago = time.time() - 31 * 86400
+    os.utime(old, (month_ago, month_ago))
+    assert prune_graphs(tmp_path) == 1 and not old.exists() and recent.exists()
+    assert prune_graphs(tmp_path / "missing") == 0

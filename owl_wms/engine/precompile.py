@@ -65,7 +65,6 @@ class CompileJob:
 
         from torch._inductor import config as inductor
         from torch._inductor.cpu_vec_isa import pick_vec_isa
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         digest = hashlib.sha256(package_digest())
         module = self.core if kind == "frame" else self.autoencoder
@@ -75,7 +74,7 @@ class CompileJob:
                             type(module).__module__, type(module).__qualname__,
                             version(library) if library != "owl_wms" else "", self.device, str(self.dtype),
                             self.cache_cfg, self.plans, self.options, kind, n, threads, shapes)).encode())
-        return Path(cache_dir()) / "owl-graphs" / f"{kind}-{digest.hexdigest()[:32]}.bin"
+        return graph_folder() / f"{kind}-{digest.hexdigest()[:32]}.bin"
 
 
 @functools.cache
@@ -85,6 +84,28 @@ def package_digest() -> bytes:
     for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         digest.update(source.read_bytes())
     return digest.digest()
+
+
+def graph_folder() -> Path:
+    """Where kept graphs live: beside Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "owl-graphs"
+
+
+def prune_graphs(folder: Path, unused_days: float = 30.0) -> int:
+    """Delete the files of ``folder`` no start has used for ``unused_days``: kept graphs (each
+    change of the code or the settings names new ones) and what a save cut short left; returns
+    how many."""
+    cutoff, removed = time.time() - unused_days * 86400, 0
+    for path in folder.glob("*") if folder.is_dir() else ():
+        try:
+            if path.is_file() and path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed += 1
+        except OSError:  # another start removed or is writing it
+            pass
+    return removed
 
 
 class Precompiled:
@@ -181,6 +202,7 @@ class BackgroundCompile:
         except Exception:  # noqa: BLE001 - a kept graph from another build: build it again
             path.unlink(missing_ok=True)
             return False
+        os.utime(path)  # last used now: prune_graphs keeps it
         if kind == "frame":
             self.on_graph(n, threads, graph)
         else:
@@ -207,6 +229,7 @@ class BackgroundCompile:
                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); {self.in_use()}")
         finally:
             self.done.set()
+            prune_graphs(graph_folder())
 
     def _build(self, items) -> None:
         import torch.multiprocessing as mp
