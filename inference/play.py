@@ -444,9 +444,13 @@ class Game:
         r = self.last
         return "PAUSED" if self.worker.paused else ("GT replay" if r is not None and r.ground_truth else "live")
 
+    def pipeline_fps(self) -> float:
+        """Frames a second the pipeline makes, over the last frames (0 before the first)."""
+        return len(self.pipe_ms) * 1000 / sum(self.pipe_ms) if self.pipe_ms else 0.0
+
     def compact_line(self) -> str:
-        r, ms = self.last, self.pipe_ms
-        return (f"{len(ms) * 1000 / sum(ms) if ms else 0:4.1f} FPS  frame {r.index if r else 0}  "
+        r = self.last
+        return (f"{self.pipeline_fps():4.1f} FPS  frame {r.index if r else 0}  "
                 f"kv {self.pipe.settings.kv_cache}  "
                 f"{self.state()}  {r.compile_state if r else ''}  F1 more")
 
@@ -465,7 +469,7 @@ class Game:
         r = self.last
         held = [b for b, on in zip(BUTTONS, self.controls.held()) if on]
         return [
-            f"FPS {self.clock.get_fps():5.1f}  pipeline {1000 / mean(self.pipe_ms) if self.pipe_ms else 0:5.1f}",
+            f"FPS {self.clock.get_fps():5.1f}  pipeline {self.pipeline_fps():5.1f}",
             f"denoise {r.denoise_ms if r else 0:5.1f} ms  decode {r.decode_ms if r else 0:4.1f} ms  "
             f"draw {mean(self.draw_ms):4.1f} ms",
             f"kv {self.pipe.settings.kv_cache} {(r.kv_bytes if r else 0) / 2**20:.1f} MiB  frame {r.index if r else 0}  "

@@ -52,19 +52,31 @@ def row(name: str, times: list[float], **extra) -> dict:
     return r
 
 
+def alternating(calls: dict, rounds: int, warmup: int, sync) -> dict[str, list[float]]:
+    """Each call's times over ``rounds`` rounds that run every call once, in turn (after
+    ``warmup`` such rounds), so a machine's drift falls on all of them alike."""
+    times = {label: [] for label in calls}
+    for i in range(warmup + rounds):
+        for label, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            sync()
+            if i >= warmup:
+                times[label].append(time.perf_counter() - t0)
+    return times
+
+
 def prefill_rows(name: str, prefill, rounds: int, sync) -> list[dict]:
     """Prefill time with SDPA in query chunks and as one masked call, alternating (after one
     warm-up call of each), and the second's median ratio to the first."""
-    variants = {"query chunks": attention.QUERY_CHUNK_TOKENS, "one masked call": 0}
-    times = {label: [] for label in variants}
-    for i in range(rounds + 1):
-        for label, tokens in variants.items():
+    def with_chunks(tokens):
+        def call():
             with query_chunk_tokens(tokens):
-                t0 = time.perf_counter()
                 prefill()
-                sync()
-                if i:
-                    times[label].append(time.perf_counter() - t0)
+        return call
+
+    times = alternating({"query chunks": with_chunks(attention.QUERY_CHUNK_TOKENS),
+                         "one masked call": with_chunks(0)}, rounds, 1, sync)
     ratio = statistics.median(b / a for a, b in zip(times["query chunks"], times["one masked call"]))
     return [row(f"{name} prefill, {label}", t, **({"one_call_over_chunks": ratio} if label != "query chunks" else {}))
             for label, t in times.items()]
@@ -74,16 +86,8 @@ def backend_rows(name: str, build, walk, frames: int, warmup: int, sync) -> list
     """A frame's time with SDPA and with FlexAttention, alternating frame by frame (after
     ``warmup`` frames of each), and the second's median over the first's."""
     pipes = {backend: build(backend) for backend in ("sdpa", "flex")}
-    for pipe in pipes.values():
-        for _ in range(warmup):
-            pipe.generate(*walk)
-    times = {backend: [] for backend in pipes}
-    for _ in range(frames):
-        for backend, pipe in pipes.items():
-            t0 = time.perf_counter()
-            pipe.generate(*walk)
-            sync()
-            times[backend].append(time.perf_counter() - t0)
+    times = alternating({backend: (lambda pipe=pipe: pipe.generate(*walk)) for backend, pipe in pipes.items()},
+                        frames, warmup, sync)
     ratio = statistics.median(times["flex"]) / statistics.median(times["sdpa"])
     return [row(f"{name} denoise only, {backend} (alternating)", t, **({"flex_over_sdpa": ratio} if backend == "flex"
                                                                          else {}))

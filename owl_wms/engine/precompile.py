@@ -136,6 +136,11 @@ class DecodeByBatch:
         return decode_sample(self.autoencoder, latents) if out is None else out
 
 
+def reason(exc: BaseException) -> str:
+    """An exception in one line for the log: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
 def _exit_with_parent() -> None:
     parent = os.getppid()
     while True:
@@ -171,7 +176,7 @@ def compile_graphs(job: CompileJob, items: list[tuple[str, int, int]], conn) -> 
             graph.save_compiled_function(str(path), external_data={"module": module})  # written atomically
             conn.send(("built", kind, n, threads))
     except Exception as exc:  # noqa: BLE001 - the app's frames go on eagerly; it says why
-        conn.send(("error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}", 0, 0))
+        conn.send(("error", reason(exc), 0, 0))
     conn.close()
 
 
@@ -225,8 +230,7 @@ class BackgroundCompile:
             if missing:
                 self._build(missing)
         except Exception as exc:  # noqa: BLE001 - frames go on eagerly; say why once
-            self.log(f"[owl] compile: the background compile failed ({type(exc).__name__}: "
-                     f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); {self.in_use()}")
+            self.log(f"[owl] compile: the background compile failed ({reason(exc)}); {self.in_use()}")
         finally:
             self.done.set()
             prune_graphs(graph_folder())
