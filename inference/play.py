@@ -30,12 +30,12 @@ from owl_wms.controls import BUTTONS  # noqa: E402
 from owl_wms.engine import CausvidPipeline  # noqa: E402
 
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
+from .bindings import merged_bindings, mouse_button  # noqa: E402
 from .cues import event_cue, first_frame_cue  # noqa: E402
 from .headless import pipeline_rate  # noqa: E402
 from .signals import StopOnSigint  # noqa: E402
 from .video import MIN_FREE, Mp4Writer, OutputPathError, check_output_path, flat_frame_warning  # noqa: E402
 
-DEFAULT_BINDINGS = dict(zip(BUTTONS, ("w", "a", "s", "d", "left shift", "space", "r", "f", "e", "mouse1", "mouse3")))
 CONTROL_KEYS = {pygame.K_ESCAPE: "quit", pygame.K_F1: "overlay", pygame.K_F2: "pause", pygame.K_F3: "step",
                 pygame.K_F4: "ground_truth", pygame.K_F5: "restart", pygame.K_F6: "next_clip",
                 pygame.K_F7: "new_level", pygame.K_F8: "grab", pygame.K_F9: "record",
@@ -55,16 +55,11 @@ def parse_bindings(bindings: dict | None) -> tuple[dict[int, int], dict[int, int
     """Config ``controls.bindings`` (button name -> pygame key name or ``mouseN``) over the
     defaults -> (key code -> button index, mouse button -> button index)."""
     pygame.display.init()  # key names resolve only once pygame's video is initialised (idempotent)
-    bindings = dict(bindings or {})
-    unknown = set(bindings) - set(DEFAULT_BINDINGS)
-    if unknown:
-        raise ValueError(f"controls.bindings has unknown buttons {sorted(unknown)}; the buttons are {list(BUTTONS)}")
     keys, mouse = {}, {}
-    for button, name in {**DEFAULT_BINDINGS, **bindings}.items():
+    for button, name in merged_bindings(bindings).items():
         index = BUTTONS.index(button)
-        name = str(name).strip().lower()
-        if name.startswith("mouse") and name[5:].isdigit():
-            table, code = mouse, int(name[5:])
+        if mouse_button(name) is not None:
+            table, code = mouse, mouse_button(name)
         else:
             try:
                 table, code = keys, pygame.key.key_code(name)

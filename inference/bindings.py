@@ -1,0 +1,58 @@
+"""Which key or mouse button holds each of the 11 game buttons: the config's
+``controls.bindings`` (button name -> pygame key name or ``mouseN``) over the defaults, one home
+for the window (pygame key codes) and the browser page (``KeyboardEvent.code`` names)."""
+from __future__ import annotations
+
+import string
+
+from owl_wms.controls import BUTTONS
+
+DEFAULT_BINDINGS = dict(zip(BUTTONS, ("w", "a", "s", "d", "left shift", "space", "r", "f", "e", "mouse1", "mouse3")))
+
+# pygame key names -> the browser's KeyboardEvent.code (the physical key, as pygame's names are)
+BROWSER_KEYS = {
+    **{c: f"Key{c.upper()}" for c in string.ascii_lowercase}, **{d: f"Digit{d}" for d in string.digits},
+    "space": "Space", "tab": "Tab", "return": "Enter", "backspace": "Backspace", "caps lock": "CapsLock",
+    "left shift": "ShiftLeft", "right shift": "ShiftRight", "left ctrl": "ControlLeft", "right ctrl": "ControlRight",
+    "left alt": "AltLeft", "right alt": "AltRight", "up": "ArrowUp", "down": "ArrowDown", "left": "ArrowLeft",
+    "right": "ArrowRight", "insert": "Insert", "delete": "Delete", "home": "Home", "end": "End",
+    "page up": "PageUp", "page down": "PageDown", "-": "Minus", "=": "Equal", "[": "BracketLeft",
+    "]": "BracketRight", ";": "Semicolon", "'": "Quote", ",": "Comma", ".": "Period", "/": "Slash",
+    "\\": "Backslash", "`": "Backquote",
+    **{f"[{d}]": f"Numpad{d}" for d in string.digits},
+}
+
+
+def merged_bindings(bindings) -> dict[str, str]:
+    """Every button's binding (lower-case name), the config's over the defaults."""
+    bindings = dict(bindings or {})
+    unknown = set(bindings) - set(DEFAULT_BINDINGS)
+    if unknown:
+        raise ValueError(f"controls.bindings has unknown buttons {sorted(unknown)}; the buttons are {list(BUTTONS)}")
+    return {button: str(name).strip().lower() for button, name in {**DEFAULT_BINDINGS, **bindings}.items()}
+
+
+def mouse_button(name: str) -> int | None:
+    """N of a ``mouseN`` binding (pygame's numbering: 1 left, 2 middle, 3 right), else None."""
+    return int(name[5:]) if name.startswith("mouse") and name[5:].isdigit() else None
+
+
+def browser_bindings(bindings) -> dict:
+    """{"keys": {KeyboardEvent.code: button index}, "mouse": {MouseEvent.button: button index}}
+    of the config's bindings (Escape stays the browser's: it leaves pointer lock)."""
+    keys, mouse = {}, {}
+    for button, name in merged_bindings(bindings).items():
+        index, n = BUTTONS.index(button), mouse_button(name)
+        if n is not None:
+            if not 1 <= n <= 5:
+                raise ValueError(f"controls.bindings.{button}={name!r}: a browser has mouse1 to mouse5")
+            table, code = mouse, str(n - 1)  # the browser counts from 0: left, middle, right, back, forward
+        elif name in BROWSER_KEYS:
+            table, code = keys, BROWSER_KEYS[name]
+        else:
+            raise ValueError(f"controls.bindings.{button}={name!r} has no browser key; the page knows "
+                             f"letters, digits, {', '.join(repr(k) for k in list(BROWSER_KEYS)[36:48])} ...")
+        if code in table:
+            raise ValueError(f"controls.bindings: {name!r} is bound to both {BUTTONS[table[code]]} and {button}")
+        table[code] = index
+    return {"keys": keys, "mouse": mouse}

@@ -1,0 +1,163 @@
+"""Play the world model in a browser: one server, every player's session in one batched call.
+
+    python -m inference.serve                        # then open the printed URL
+    python -m inference.serve --host 0.0.0.0 --port 8000 --max-sessions 4
+
+The page, the protocol, admission and scaling out behind nginx: docs/serve.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+if __name__ == "__main__":  # first of all, before torch loads (seconds): say so; a Ctrl-C now ends quietly
+    from inference.signals import quit_during_startup
+
+    quit_during_startup()
+    from inference.cores import same_numbers_at_any_thread_count
+
+    same_numbers_at_any_thread_count()
+    if not {"-h", "--help"} & set(sys.argv):
+        print("[owl] starting ...", flush=True)
+
+from owl_wms.config import ConfigError  # noqa: E402
+from owl_wms.engine.sessions import Sessions, batch_rows  # noqa: E402
+from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError  # noqa: E402
+from owl_wms.maze.worlds import check_simulator  # noqa: E402
+from owl_wms.settings import SettingsError  # noqa: E402
+
+from .flags import flag_message, warnings_as_lines  # noqa: E402
+from .game_cv import compile_in_background, run_settings  # noqa: E402
+from .video import OutputPathError  # noqa: E402
+from .web.app import Limits, create_app  # noqa: E402
+from .web.protocol import MAX_LEVEL, MAX_MESSAGE_BYTES, MAX_SEED  # noqa: E402
+from .web.scheduler import Scheduler, ServeOptions  # noqa: E402
+
+USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError, OSError)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m inference.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(SHIPPED_WORLD),
+                   help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
+    p.add_argument("--ckpt", default=None, help="weights file or shard index (default: beside the config)")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help="which weights of a trainer checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one, printed)")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="players served at once (default: measured at start-up against --target-fps)")
+    p.add_argument("--session-limit", type=int, default=8, help="most players the measured capacity may reach")
+    p.add_argument("--target-fps", type=float, default=10.0, help="each player's frame rate the capacity keeps")
+    p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds without input before a session closes")
+    p.add_argument("--clip", default="0", help="where a session starts: a shipped clip's index or a clip file")
+    p.add_argument("--world-seed", type=int, default=None, help="or a simulator level (a page's hello may pick one)")
+    p.add_argument("--seed", type=int, default=None, help="noise seed of the first session (session i: seed + i)")
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality of the frames sent")
+    p.add_argument("--max-fps", type=float, default=None, help="steps a second at most (default: as fast as it goes)")
+    p.add_argument("--record-dir", default=None,
+                   help="folder for the pages' recordings (default: a temporary folder, removed at exit)")
+    p.add_argument("--save-actions", default=None,
+                   help="folder for each session's action file and start (to re-render it headless)")
+    p.add_argument("--one-by-one", action="store_true",
+                   help="step each session with its own model calls, one after another (the baseline batching beats)")
+    args = p.parse_args(argv)
+    for flag, value, lo, hi in (("--port", args.port, 0, 65535), ("--max-sessions", args.max_sessions, 1, 1024),
+                                ("--session-limit", args.session_limit, 1, 1024), ("--quality", args.quality, 1, 95),
+                                ("--world-seed", args.world_seed, 0, MAX_LEVEL), ("--seed", args.seed, 0, MAX_SEED)):
+        if value is not None and not lo <= value <= hi:
+            p.error(f"{flag} {value}: must be a whole number in [{lo}, {hi}]")
+    for flag, value in (("--target-fps", args.target_fps), ("--idle-timeout", args.idle_timeout),
+                        ("--max-fps", args.max_fps)):
+        if value is not None and not 0 < value <= 100_000:
+            p.error(f"{flag} {value}: must be a positive number")
+    args.tp = 1  # the settings of one process (game_cv.run_settings)
+    return args
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a taken port fails at once."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        return sock
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
+                      "(or --port 0 for any free one) or --host") from None
+
+
+def clip_arg(value: str):
+    return int(value) if value.isdigit() else value
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings_as_lines()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "owl-wms", "inductor"))
+    temporary = None
+    try:
+        sock = listen(args.host, args.port)
+        world, settings, budget = run_settings(args)
+        check_simulator(world)
+        if args.record_dir is None:
+            temporary = args.record_dir = tempfile.mkdtemp(prefix="owl-recordings-")
+        options = ServeOptions(max_sessions=args.max_sessions, session_limit=args.max_sessions or args.session_limit,
+                               target_fps=args.target_fps, batched=not args.one_by_one, clip=clip_arg(args.clip),
+                               world_seed=args.world_seed, quality=args.quality, max_fps=args.max_fps,
+                               record_dir=Path(args.record_dir),
+                               save_actions=Path(args.save_actions) if args.save_actions else None)
+        limit = options.session_limit
+        print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) for up to {limit} "
+              f"players ...", flush=True)
+
+        def build():
+            return Sessions.from_checkpoint(world, args.ckpt, settings=settings, capacity=limit, weights=args.weights)
+
+        def ready(scheduler):
+            rows = sorted({batch_rows(n) for n in range(1, limit + 1)}) if options.batched else (1,)
+            compile_in_background(scheduler.sessions.runner, settings, budget, rows)
+
+        scheduler = Scheduler(build, options, budget, on_ready=ready)
+        scheduler.start()
+        scheduler.ready.wait()
+        if scheduler.error is not None:
+            raise scheduler.error
+        return serve(scheduler, sock, Limits(idle_timeout=args.idle_timeout))
+    except USER_ERRORS as exc:
+        print(f"error: {flag_message(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def serve(scheduler: Scheduler, sock: socket.socket, limits: Limits) -> int:
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    print(f"[owl] serving at http://{shown}:{port}/ : open it in a browser to play (Ctrl-C stops)", flush=True)
+    config = uvicorn.Config(create_app(scheduler, limits), ws="websockets-sansio", ws_max_size=MAX_MESSAGE_BYTES,
+                            log_level="warning", lifespan="off", timeout_graceful_shutdown=3)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        scheduler.stop()
+        scheduler.join(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    from .game_cv import exit_now
+
+    exit_now(main())

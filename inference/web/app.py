@@ -1,0 +1,211 @@
+"""The web app: the page at ``/``, its websocket at ``/ws``, ``/healthz`` and recordings.
+
+Each websocket is one player: its first message must be a ``hello``; then its controls and
+events go to the scheduler and its frames come back. What a page sends is checked message by
+message (protocol.py); a bad message gets an error naming the fault, and a page that keeps
+sending them, floods, or says nothing for ``idle_timeout`` seconds is closed with the reason.
+Frames wait in a one-frame slot: a page too slow to take them gets the newest, never a queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ..bindings import browser_bindings
+from . import protocol
+from .protocol import Controls, Event, Hello, ProtocolError
+from .scheduler import Player, Scheduler, ServerFull
+
+STATIC = Path(__file__).parent / "static"
+RECORDING_NAME = re.compile(r"^[A-Za-z0-9_-]{16}\.mp4$")
+
+
+@dataclass
+class Limits:
+    idle_timeout: float = 300.0  # seconds without a message before a session is closed
+    hello_timeout: float = 10.0
+    rate: float = 120.0  # messages a second a page may send on average (the page sends at most ~70)
+    burst: int = 240
+    max_errors: int = 20  # malformed messages before the connection is closed
+    max_outbox: int = 64  # JSON messages waiting for a slow page before it is closed
+
+
+class Closing(Exception):
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+class Connection:
+    def __init__(self, ws: WebSocket, scheduler: Scheduler, limits: Limits, page: dict):
+        self.ws, self.scheduler, self.limits, self.page = ws, scheduler, limits, page
+        self.loop = asyncio.get_running_loop()
+        self.frame: bytes | None = None  # the newest frame not yet sent
+        self.messages: collections.deque = collections.deque()
+        self.wake = asyncio.Event()
+        self.closing: Closing | None = None
+        self.player: Player | None = None
+        self.welcomed = False  # frames go out only after the welcome
+        self.tokens, self.refilled, self.errors = float(limits.burst), time.monotonic(), 0
+
+    # -- from the scheduler's thread -----------------------------------------------------------
+    def post(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._offer, item)
+        except RuntimeError:  # the loop has stopped: the server is going down
+            pass
+
+    def _offer(self, item) -> None:
+        if isinstance(item, bytes):
+            if self.frame is not None and self.player is not None:
+                self.player.dropped += 1
+            self.frame = item
+        else:
+            if item.pop("close", False):
+                self.closing = self.closing or Closing(protocol.CLOSE_SERVER_ERROR, item.get("message", "")[:120])
+            self.messages.append(item)
+            if len(self.messages) > self.limits.max_outbox:
+                self.closing = self.closing or Closing(protocol.CLOSE_PROTOCOL, "the page is not reading its messages")
+        self.wake.set()
+
+    # -- this connection's tasks -------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.ws.accept()
+        sender = asyncio.create_task(self._send_loop())
+        try:
+            await self._converse()
+        except Closing as exc:
+            self.closing = self.closing or exc
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self.player is not None:
+                await asyncio.wrap_future(self.scheduler.leave(self.player))
+            if self.closing is not None:
+                self.wake.set()
+                try:
+                    await asyncio.wait_for(sender, 2.0)
+                except (asyncio.TimeoutError, Exception):
+                    sender.cancel()
+            else:
+                sender.cancel()
+
+    async def _receive(self, timeout: float, waiting_for: str):
+        try:
+            message = await asyncio.wait_for(self.ws.receive(), timeout)
+        except asyncio.TimeoutError:
+            raise Closing(protocol.CLOSE_IDLE, f"no message for {timeout:g} s ({waiting_for}); reload to play "
+                                               "again") from None
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        now = time.monotonic()
+        self.tokens = min(self.limits.burst, self.tokens + (now - self.refilled) * self.limits.rate)
+        self.refilled = now
+        self.tokens -= 1
+        if self.tokens < 0:
+            raise Closing(protocol.CLOSE_PROTOCOL, f"too many messages: at most {self.limits.rate:g} a second")
+        return message["bytes"] if message.get("text") is None else message["text"]
+
+    def _fault(self, exc: ProtocolError) -> None:
+        self.errors += 1
+        if self.errors > self.limits.max_errors:
+            raise Closing(protocol.CLOSE_PROTOCOL, f"more than {self.limits.max_errors} malformed messages; "
+                                                   f"the last: {exc}"[:120])
+        self.messages.append({"type": "error", "code": exc.code, "message": str(exc)})
+        self.wake.set()
+
+    async def _converse(self) -> None:
+        try:
+            hello = protocol.parse(await self._receive(self.limits.hello_timeout, "a hello first"))
+        except ProtocolError as exc:
+            raise Closing(protocol.CLOSE_PROTOCOL, f"{exc}"[:120]) from None
+        if not isinstance(hello, Hello):
+            raise Closing(protocol.CLOSE_PROTOCOL, "the first message must be a hello: "
+                                                   '{"type": "hello", "version": 1}')
+        try:
+            self.player = await asyncio.wrap_future(self.scheduler.join(hello, self.post))
+        except ServerFull as exc:
+            self.messages.append({"type": "full", "message": f"server full, {exc.players} playing",
+                                  "players": exc.players, "capacity": exc.capacity})
+            raise Closing(protocol.CLOSE_FULL, f"server full, {exc.players} playing") from None
+        except (ValueError, OSError, RuntimeError) as exc:
+            self.messages.append({"type": "error", "code": "start_failed", "message": str(exc)})
+            raise Closing(protocol.CLOSE_SERVER_ERROR, f"the session could not start: {exc}"[:120]) from None
+        self.messages.appendleft({**self.scheduler.welcome(self.player), **self.page, "version": protocol.VERSION})
+        self.welcomed = True
+        self.wake.set()
+        while self.closing is None:
+            try:
+                message = protocol.parse(await self._receive(self.limits.idle_timeout, "idle"))
+            except ProtocolError as exc:
+                self._fault(exc)
+                continue
+            if isinstance(message, Controls):
+                self.player.set_controls(message)
+            elif isinstance(message, Event):
+                if not self.player.add_event(message):
+                    raise Closing(protocol.CLOSE_PROTOCOL, "too many events waiting for the next frame")
+                self.scheduler.wake.set()
+            else:
+                self._fault(ProtocolError("hello_again", "hello was already said; send controls or event messages"))
+
+    async def _send_loop(self) -> None:
+        status_due = time.monotonic() + 1.0
+        while True:
+            try:
+                await asyncio.wait_for(self.wake.wait(), max(0.0, status_due - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+            self.wake.clear()
+            while self.messages:
+                await self.ws.send_json(self.messages.popleft())
+            if self.closing is not None:
+                await self.ws.close(self.closing.code, self.closing.reason)
+                return
+            if self.frame is not None and self.welcomed:
+                frame, self.frame = self.frame, None
+                await self.ws.send_bytes(frame)
+            if time.monotonic() >= status_due and self.player is not None:
+                status_due = time.monotonic() + 1.0
+                stats = self.scheduler.stats
+                await self.ws.send_json({"type": "status", "players": stats["sessions"], "capacity": stats["capacity"],
+                                         "frame": self.player.frames, "dropped": self.player.dropped,
+                                         "paused": self.player.paused, "step_ms": stats["last_step_ms"],
+                                         "compile": stats["compile"]})
+
+
+def create_app(scheduler: Scheduler, limits: Limits | None = None) -> Starlette:
+    """The app over a started scheduler (its sessions built)."""
+    limits = limits or Limits()
+    controls = scheduler.sessions.world.controls
+    page = {"bindings": browser_bindings(controls.get("bindings")),
+            "sensitivity": float(controls.get("sensitivity", 1.0)), "events": list(protocol.EVENTS)}
+
+    async def index(request):
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    async def healthz(request):
+        return JSONResponse({"status": "ok", "version": protocol.VERSION, **scheduler.stats})
+
+    async def recording(request):
+        name = request.path_params["name"]
+        path = scheduler.opt.record_dir / name
+        if not RECORDING_NAME.match(name) or not path.is_file():
+            return PlainTextResponse(f"no recording {name!r} here (recordings last while the server runs)", 404)
+        return FileResponse(path, media_type="video/mp4", filename=time.strftime("owl-%Y%m%d-%H%M%S.mp4"))
+
+    async def websocket(ws: WebSocket):
+        await Connection(ws, scheduler, limits, page).run()
+
+    return Starlette(routes=[Route("/", index), Route("/healthz", healthz), Route("/recordings/{name}", recording),
+                             WebSocketRoute("/ws", websocket), Mount("/static", StaticFiles(directory=STATIC))])

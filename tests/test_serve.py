@@ -1,0 +1,243 @@
+"""The browser server (inference/serve.py, inference/web/) over plain websockets: every hostile
+message gets an error or a close with its reason while another player's frames stay its own,
+admission past capacity, idle sessions, events, recordings and the server's flags."""
+import io
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from inference.web import protocol
+from inference.web.protocol import ProtocolError
+
+from .conftest import run_main
+from .servers import Player, Server
+
+FP32 = {"OWL_DTYPE": "fp32"}
+# A session's frames in a batch are its frames alone up to float rounding: the batched matmuls sum
+# in another order, and the shipped int8 cache can store a value at a rounding tie one code step
+# away (tests/test_sessions.py). Measured on the shipped world in float32, two pages over about 60
+# frames: at most 1 level.
+FRAME_TOLERANCE = 4  # uint8 levels, max over pixels
+
+
+def alone(tmp_path, seed: int, actions, frames: int, name: str, start=("--clip", "0")) -> np.ndarray:
+    """The frames a headless run of one session makes with these actions (a list or an action file)."""
+    if not isinstance(actions, str):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"mouse": list(m), "buttons": list(b)}) + "\n" for m, b in actions))
+        actions = str(path)
+    out = tmp_path / f"{name}.npy"
+    r = run_main("inference.game_cv", ["--headless", "--seed", seed, *start, "--actions", actions, "--frames", frames,
+                                       "--out", tmp_path / f"{name}.mp4", "--scale", 1, "--save-frames", out], env=FP32)
+    assert r.returncode == 0, r.stderr
+    return np.load(out)
+
+
+# (message, the error code it gets) on a session that said hello
+HOSTILE = [
+    ("garbage", "bad_json"), ("", "bad_json"), ("{", "bad_json"), ("[]", "bad_type"), ("null", "bad_type"),
+    ("42", "bad_type"), ('"text"', "bad_type"), ('{"type": 5}', "bad_type"), ('{"type": "nope"}', "bad_type"),
+    ('{"no": "type"}', "bad_type"), ("[" * 3000, "bad_json"), (b"\x00\x01binary", "binary"),
+    ('{"type": "hello", "version": 1}', "hello_again"),
+    ('{"type": "controls", "type": "controls", "mouse": [0, 0], "buttons": [0,0,0,0,0,0,0,0,0,0,0], "seq": 1}', "bad_json"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11}, "missing_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11, "seq": 1, "extra": 1}, "unknown_field"),
+    ({"type": "controls", "mouse": [1], "buttons": [0] * 11, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [1, 2, 3], "buttons": [0] * 11, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": ["a", 1], "buttons": [0] * 11, "seq": 1}, "bad_field"),
+    ('{"type": "controls", "mouse": [NaN, 0], "buttons": [0,0,0,0,0,0,0,0,0,0,0], "seq": 1}', "bad_json"),
+    ('{"type": "controls", "mouse": [1e999, 0], "buttons": [0,0,0,0,0,0,0,0,0,0,0], "seq": 1}', "bad_field"),
+    ({"type": "controls", "mouse": [20000, 0], "buttons": [0] * 11, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [True, 0], "buttons": [0] * 11, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [0] * 10, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [2] + [0] * 10, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [0.5] + [0] * 10, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [True] + [0] * 10, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": "WASD", "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11, "seq": -1}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11, "seq": 2**32}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11, "seq": "1"}, "bad_field"),
+    ({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11, "seq": 1.5}, "bad_field"),
+    ({"type": "event", "name": "explode"}, "bad_field"), ({"type": "event"}, "bad_field"),
+    ({"type": "event", "name": "restart", "level": 3}, "unknown_field"),
+    ({"type": "event", "name": "level", "level": -1}, "bad_field"),
+    ({"type": "event", "name": "level", "level": 2**31}, "bad_field"),
+    ({"type": "event", "name": "level", "level": "x"}, "bad_field"),
+    ({"type": "event", "name": "record_stop"}, "event_failed"),  # nothing is recording
+]
+
+
+def test_the_protocol_refuses_each_hostile_message_by_name():
+    for message, code in HOSTILE:
+        if code in ("event_failed", "hello_again"):
+            continue  # well formed; the session refuses it
+        with pytest.raises(ProtocolError) as caught:
+            protocol.parse(message if isinstance(message, (str, bytes)) else json.dumps(message))
+        assert caught.value.code == code, (message, caught.value)
+        assert len(str(caught.value)) < 300
+    assert protocol.parse('{"type": "hello", "version": 1, "seed": 3, "level": 9, "format": "png"}') == \
+        protocol.Hello(1, 3, 9, "png")
+    c = protocol.parse('{"type": "controls", "mouse": [1.5, -2], "buttons": [1,0,0,0,0,0,0,0,0,0,1], "seq": 7}')
+    assert c == protocol.Controls((1.5, -2.0), (1,) + (0,) * 9 + (1,), 7)
+    assert protocol.parse('{"type": "event", "name": "level"}') == protocol.Event("level")
+    frame = protocol.frame_message(b"img", 12, None, 3)
+    assert protocol.read_frame(frame) == (12, None, 3, b"img")
+
+
+def closed_with(player: Player, timeout: float = 30) -> tuple[int, str]:
+    """Read until the server closes: (code, reason)."""
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            player.receive(timeout)
+    return closed.value.rcvd.code, closed.value.rcvd.reason
+
+
+def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_player(tmp_path):
+    with Server("--max-sessions", 3, "--idle-timeout", 6, env=FP32) as server:
+        good = Player(server.ws_url, seed=21, format="png")
+        assert good.welcome["type"] == "welcome" and good.welcome["seed"] == 21
+        playing = threading.Event()
+        playing.set()
+
+        def play():  # the good player plays on, no input, beside everything below
+            while playing.is_set():
+                good.next_frame()
+                good.controls()
+
+        player = threading.Thread(target=play)
+        player.start()
+        hostile = Player(server.ws_url, format="png")
+        sent = 0
+        for message, code in HOSTILE:  # a fresh session each 15: the 21st malformed message closes it
+            if sent == 15:
+                hostile.close()
+                hostile, sent = Player(server.ws_url, format="png"), 0
+            hostile.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
+            sent += 1
+            error = hostile.until(lambda m: m["type"] == "error")
+            assert error["code"] == code, (message, error)
+        hostile.close()
+
+        # closes with a reason: a conversation not opened by hello, another version, a flood, a giant
+        for first, reason in ((json.dumps({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11, "seq": 1}),
+                               "first message must be a hello"),
+                              (json.dumps({"type": "hello", "version": 2}), "version 2 is not served"),
+                              (json.dumps({"type": "hello", "version": 1, "level": -5}), "hello.level")):
+            code, why = closed_with(Player(server.ws_url, first=first))
+            assert code == protocol.CLOSE_PROTOCOL and reason in why, (code, why)
+        flood = Player(server.ws_url)
+        try:
+            for _ in range(2000):
+                flood.controls()
+        except ConnectionClosed:
+            pass
+        assert closed_with(flood) == (protocol.CLOSE_PROTOCOL, "too many messages: at most 120 a second")
+        giant = Player(server.ws_url)
+        giant.send(json.dumps({"type": "controls", "pad": "x" * 10_000}))
+        assert closed_with(giant)[0] == 1009  # message too big, closed by the websocket layer
+        idle = Player(server.ws_url)
+        code, why = closed_with(idle, timeout=30)
+        assert code == protocol.CLOSE_IDLE and "no message for 6 s" in why
+
+        health = server.health()
+        assert health["status"] == "ok" and health["sessions"] == 1
+        playing.clear()
+        player.join(60)
+        good.close()
+    shown = {index: image for index, _, _, image in good.frames if index <= 160}  # a slow reader skips some
+    assert len(shown) >= 40
+    want = alone(tmp_path, 21, [([0.0, 0.0], [0] * 11)] * max(shown), max(shown), "good")
+    worst = max(np.abs(image.astype(int) - want[index - 1].astype(int)).max() for index, image in shown.items())
+    assert worst <= FRAME_TOLERANCE
+
+
+def test_past_capacity_a_player_hears_server_full_and_the_others_keep_playing():
+    with Server("--max-sessions", 2) as server:
+        a, b = Player(server.ws_url), Player(server.ws_url)
+        assert a.welcome["capacity"] == 2 and b.welcome["players"] == 2
+        c = Player(server.ws_url)
+        assert c.welcome == {"type": "full", "message": "server full, 2 playing", "players": 2, "capacity": 2}
+        assert closed_with(c) == (protocol.CLOSE_FULL, "server full, 2 playing")
+        before = a.next_frame()[0], b.next_frame()[0]
+        for _ in range(5):
+            a.next_frame(), b.next_frame()
+        assert a.next_frame()[0] > before[0] and b.next_frame()[0] > before[1]
+        assert server.health()["sessions"] == 2
+        a.close()  # a leaves: its place is free for the next player
+        for _ in range(100):
+            if server.health()["sessions"] == 1:
+                break
+            b.next_frame()
+        d = Player(server.ws_url)
+        assert d.welcome["type"] == "welcome" and d.next_frame()[0] == 1
+
+
+def test_events_pause_restart_new_level_and_a_recording_that_downloads(tmp_path):
+    with Server("--max-sessions", 1, "--save-actions", tmp_path / "actions") as server:
+        p = Player(server.ws_url, seed=4, level=11)
+        assert p.welcome["level"] == 11 and p.welcome["frame_size"] == [64, 64]
+        epoch = p.next_frame()[2]
+        p.send({"type": "event", "name": "pause"})
+        assert p.until(lambda m: m["type"] == "state")["paused"] is True
+        p.frames.clear()
+        end = time.monotonic() + 2
+        with pytest.raises(TimeoutError):
+            while True:
+                p.receive(timeout=max(0.01, end - time.monotonic()))
+        assert len(p.frames) <= 1  # a paused session makes no frames (one made before may still arrive)
+        p.send({"type": "event", "name": "resume"})
+        p.next_frame()
+        p.send({"type": "event", "name": "restart"})
+        while p.next_frame()[2] == epoch:
+            pass
+        p.send({"type": "event", "name": "level", "level": 3})
+        assert p.until(lambda m: m["type"] == "level")["level"] == 3
+        p.send({"type": "event", "name": "record_start"})
+        p.until(lambda m: m["type"] == "recording")
+        p.send({"type": "event", "name": "record_start"})
+        assert "already running" in p.until(lambda m: m["type"] == "error")["message"]
+        for _ in range(6):
+            p.next_frame()
+        p.send({"type": "event", "name": "record_stop"})
+        done = p.until(lambda m: m["type"] == "recording")
+        assert done["state"] == "done" and done["frames"] >= 6
+        with urllib.request.urlopen(server.url + done["url"], timeout=30) as r:
+            video = r.read()
+            assert r.headers["Content-Type"] == "video/mp4" and "attachment" in r.headers["Content-Disposition"]
+        assert video[4:8] == b"ftyp"
+        path = tmp_path / "rec.mp4"
+        path.write_bytes(video)
+        from inference.video import count_frames
+
+        assert count_frames(path) == done["frames"]
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(server.url + "/recordings/..%2f..%2fetc%2fpasswd", timeout=10)
+        assert missing.value.code == 404
+        p.close()
+    log = (tmp_path / "actions" / "session-0.jsonl").read_text().splitlines()
+    assert {"event": "restart"} in [json.loads(line) for line in log]
+    assert {"event": "world_seed", "seed": 3} in [json.loads(line) for line in log]
+    meta = json.loads((tmp_path / "actions" / "session-0.json").read_text())
+    assert meta["seed"] == 4 and meta["level"] == 11 and "--world-seed 11" in meta["replay"]
+
+
+def test_the_servers_flags_are_checked_with_the_fix(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    r = run_main("inference.serve", ["--port", port])
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port 0" in r.stderr
+    taken.close()
+    r = run_main("inference.serve", ["--port", 0, "--checkpoint", tmp_path / "nothing"])
+    assert r.returncode == 2 and "nothing" in r.stderr
+    for argv, text in ((["--max-sessions", "0"], "--max-sessions 0"), (["--target-fps", "-1"], "--target-fps"),
+                       (["--port", "70000"], "--port 70000")):
+        r = run_main("inference.serve", argv)
+        assert r.returncode == 2 and text in r.stderr, r.stderr
