@@ -40,15 +40,20 @@ USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, Out
                ValueError, TPError, LifecycleError)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m inference.game_cv", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_world_arguments(p: argparse.ArgumentParser) -> None:
+    """--checkpoint, --ckpt, --weights: which world to load (every app that loads one)."""
     p.add_argument("--checkpoint", default=str(SHIPPED_WORLD),
                    help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
     p.add_argument("--ckpt", default=None, help="weights file or shard index (default: model.safetensors, or its shards, beside the config)")
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
                    help="which weights of a trainer checkpoint ({model, ema, opt, steps}): its EMA copy or the "
                         "online model (default: EMA where the file has it, as the original loads)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m inference.game_cv", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_world_arguments(p)
     p.add_argument("--clip", default="0", help="index of a shipped clip, or a clip .safetensors path")
     p.add_argument("--world-seed", type=int, default=None,
                    help="start from a fresh simulator level: render and encode a history window")
@@ -198,11 +203,15 @@ def run_play(args, world: WorldConfig, settings: Settings, budget: CoreBudget | 
     return Game(lambda: build_pipeline(args, world, settings, budget=budget), options, budget=budget).run()
 
 
+def keep_graphs_between_starts() -> None:
+    """Compiled graphs persist between starts (a second start reuses them)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "owl-wms", "inductor"))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings_as_lines()
-    # compiled graphs persist between starts (a second start reuses them)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "owl-wms", "inductor"))
+    keep_graphs_between_starts()
     tp = None
     try:
         world, settings, budget = run_settings(args)  # once: the config is read and the threads set here

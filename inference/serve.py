@@ -8,7 +8,6 @@ The page, the protocol, admission and scaling out behind nginx: docs/serve.md.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import socket
 import sys
@@ -27,12 +26,12 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
 
 from owl_wms.config import ConfigError  # noqa: E402
 from owl_wms.engine.sessions import Sessions, batch_rows  # noqa: E402
-from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError  # noqa: E402
+from owl_wms.loading import CheckpointError  # noqa: E402
 from owl_wms.maze.worlds import check_simulator  # noqa: E402
 from owl_wms.settings import SettingsError  # noqa: E402
 
 from .flags import flag_message, warnings_as_lines  # noqa: E402
-from .game_cv import compile_in_background, run_settings  # noqa: E402
+from .game_cv import add_world_arguments, compile_in_background, keep_graphs_between_starts, run_settings  # noqa: E402
 from .video import OutputPathError  # noqa: E402
 from .web.app import Limits, create_app  # noqa: E402
 from .web.protocol import MAX_LEVEL, MAX_MESSAGE_BYTES, MAX_SEED  # noqa: E402
@@ -44,10 +43,7 @@ USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, Fil
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m inference.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(SHIPPED_WORLD),
-                   help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
-    p.add_argument("--ckpt", default=None, help="weights file or shard index (default: beside the config)")
-    p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help="which weights of a trainer checkpoint")
+    add_world_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one, printed)")
     p.add_argument("--max-sessions", type=int, default=None,
@@ -101,7 +97,7 @@ def clip_arg(value: str):
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings_as_lines()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "owl-wms", "inductor"))
+    keep_graphs_between_starts()
     temporary = None
     try:
         sock = listen(args.host, args.port)

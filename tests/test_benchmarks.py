@@ -121,12 +121,22 @@ def test_bench_play_measures_the_window_with_and_without_overlay():
         assert re.search(rf"overlay {overlay}: total {NUMBER} FPS, pipeline {NUMBER} FPS \(3 frames\)", out), out
 
 
+def test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_server(tmp_path):
+    out = bench("bench_serve", "--players", 1, 2, "--seconds", 1.5, "--warmup", 0.5, "--rounds", 1, "--compile", 0,
+                "--json", tmp_path / "serve.json")
+    for n, server in ((1, "batched"), (1, "one by one"), (2, "batched"), (2, "one by one")):
+        assert re.search(rf"\| {n} \| {server} \| {NUMBER} \| ", out), out
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["aggregate_fps"] > 0 and r["latency_ms_p95"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("module, args, message", [
     ("bench_compile", ["--frames", "0"], "--frames 0 measures nothing"),
     ("bench_compile", ["--mode", "bf16 rol"], "invalid choice: 'bf16 rol'"),
     ("bench_tp", ["--warmup", "-1"], "--warmup -1 is below 0"),
     ("bench_train", ["--steps", "3"], "--steps 3 leaves no measured step"),
     ("bench_play", ["--frames", "0"], "--frames 0 --scale 4: both must be 1 or more"),
+    ("bench_serve", ["--players", "0"], "--players, --seconds and --rounds must be positive"),
     ("bench_frame", ["--prod-layers", "17"], "--prod-layers 17: the production model has 16 layers"),
     ("bench_frame", ["--original", "/nowhere"], "--original /nowhere: no owl_wms/models/gamerft.py there"),
 ])

@@ -23,6 +23,8 @@ ELSEWHERE = {
     "python -m scripts.bench_tp": "tests/test_benchmarks.py::test_bench_tp_times_tp1_and_tp2_and_compares_their_frames",
     "python -m scripts.bench_frame": "tests/test_benchmarks.py::test_bench_frame_times_every_path_against_the_default_and_the_floor",
     "python -m scripts.bench_shared_cores": "tests/test_benchmarks.py::test_bench_shared_cores_runs_the_command_alone_and_beside_a_busy_process",
+    "python -m scripts.bench_serve": "tests/test_benchmarks.py::test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_server",
+    "python -m inference.serve": "tests/test_serve_browser.py::test_two_browsers_play_their_own_sessions_and_a_third_hears_the_server_is_full",
     "python -m scripts.bench_train": "tests/test_benchmarks.py::test_bench_train_times_eager_compiled_and_dense_steps",
     "python -m scripts.generate_data": "tests/test_training.py (every stage of the chain) and test_readme",
     "python -m scripts.train_vae": "tests/test_training.py (every stage of the chain) and test_readme",

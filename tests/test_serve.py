@@ -1,8 +1,8 @@
 """The browser server (inference/serve.py, inference/web/) over plain websockets: every hostile
 message gets an error or a close with its reason while another player's frames stay its own,
 admission past capacity, idle sessions, events, recordings and the server's flags."""
-import io
 import json
+import re
 import socket
 import threading
 import time
@@ -241,3 +241,19 @@ def test_the_servers_flags_are_checked_with_the_fix(tmp_path):
                        (["--port", "70000"], "--port 70000")):
         r = run_main("inference.serve", argv)
         assert r.returncode == 2 and text in r.stderr, r.stderr
+
+
+def test_the_pages_keys_are_the_windows_bindings_in_browser_key_codes():
+    from inference.bindings import browser_bindings
+
+    default = browser_bindings(None)
+    assert default["keys"] == {"KeyW": 0, "KeyA": 1, "KeyS": 2, "KeyD": 3, "ShiftLeft": 4, "Space": 5, "KeyR": 6,
+                               "KeyF": 7, "KeyE": 8}
+    assert default["mouse"] == {"0": 9, "2": 10}
+    moved = browser_bindings({"E": "q", "W": "up", "RMB": "mouse2"})
+    assert moved["keys"]["KeyQ"] == 8 and moved["keys"]["ArrowUp"] == 0 and moved["mouse"]["1"] == 10
+    for bindings, message in (({"W": "f13"}, "controls.bindings.W='f13' has no browser key"),
+                              ({"A": "w"}, "bound to both W and A"), ({"JUMP": "j"}, "unknown buttons ['JUMP']"),
+                              ({"LMB": "mouse9"}, "a browser has mouse1 to mouse5")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            browser_bindings(bindings)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.applications import Starlette
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -24,10 +23,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..bindings import browser_bindings
 from . import protocol
 from .protocol import Controls, Event, Hello, ProtocolError
-from .scheduler import Player, Scheduler, ServerFull
+from .scheduler import RECORDING_NAME, Player, Scheduler, ServerFull
 
 STATIC = Path(__file__).parent / "static"
-RECORDING_NAME = re.compile(r"^[A-Za-z0-9_-]{16}\.mp4$")
 
 
 @dataclass
@@ -89,7 +87,7 @@ class Connection:
         except WebSocketDisconnect:
             pass
         finally:
-            if self.player is not None:
+            if self.player is not None and self.scheduler.is_alive():
                 await asyncio.wrap_future(self.scheduler.leave(self.player))
             if self.closing is not None:
                 self.wake.set()
@@ -177,7 +175,7 @@ class Connection:
                 await self.ws.send_bytes(frame)
             if time.monotonic() >= status_due and self.player is not None:
                 status_due = time.monotonic() + 1.0
-                stats = self.scheduler.stats
+                stats = self.scheduler.health()
                 await self.ws.send_json({"type": "status", "players": stats["sessions"], "capacity": stats["capacity"],
                                          "frame": self.player.frames, "dropped": self.player.dropped,
                                          "paused": self.player.paused, "step_ms": stats["last_step_ms"],
@@ -195,7 +193,12 @@ def create_app(scheduler: Scheduler, limits: Limits | None = None) -> Starlette:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     async def healthz(request):
-        return JSONResponse({"status": "ok", "version": protocol.VERSION, **scheduler.stats})
+        if not scheduler.is_alive():
+            return JSONResponse({"status": "error", "message": f"the model thread stopped: {scheduler.error}"}, 503)
+        return JSONResponse({"status": "ok", "version": protocol.VERSION, **scheduler.health()})
+
+    async def favicon(request):
+        return Response(status_code=204)
 
     async def recording(request):
         name = request.path_params["name"]
@@ -207,5 +210,6 @@ def create_app(scheduler: Scheduler, limits: Limits | None = None) -> Starlette:
     async def websocket(ws: WebSocket):
         await Connection(ws, scheduler, limits, page).run()
 
-    return Starlette(routes=[Route("/", index), Route("/healthz", healthz), Route("/recordings/{name}", recording),
+    return Starlette(routes=[Route("/", index), Route("/healthz", healthz), Route("/favicon.ico", favicon),
+                             Route("/recordings/{name}", recording),
                              WebSocketRoute("/ws", websocket), Mount("/static", StaticFiles(directory=STATIC))])

@@ -14,6 +14,7 @@ import concurrent.futures
 import io
 import json
 import queue
+import re
 import secrets
 import sys
 import threading
@@ -35,6 +36,8 @@ from ..video import MIN_FREE, Mp4Writer
 from .protocol import MAX_LEVEL, MOUSE_LIMIT, Controls, Event, Hello, frame_message
 
 MAX_PENDING_EVENTS = 16  # events a page may queue before the next step (more: a flood)
+RECORDING_NAME = re.compile(r"^[A-Za-z0-9_-]{16}\.mp4$")  # what record_start names a recording
+RECORDING_KEEP_S = 3600
 
 
 class ServerFull(Exception):
@@ -129,6 +132,7 @@ class Scheduler(threading.Thread):
         self.error: BaseException | None = None
         self.step_s: dict[int, float] = {}  # measured seconds of a step (made and decoded) by padded batch size
         self.capacity = options.max_sessions or 1
+        self.measured_with = None  # the frame call the capacity was measured with (the compiled one, or eager)
         self.frames_made, self.last_step_s = 0, 0.0
         self.stats: dict = {}  # for /healthz, replaced whole after every change
         self.frame_size: list[int] = []  # (H, W) of frames, found on this thread: torch runs nowhere else
@@ -151,6 +155,10 @@ class Scheduler(threading.Thread):
         self.stopping.set()
         self.wake.set()
 
+    def health(self) -> dict:
+        """What /healthz and the status messages report (read on any thread: no torch runs)."""
+        return {**self.stats, "compile": self.sessions.runner.compile_state()}
+
     def welcome(self, player: Player) -> dict:
         s = self.sessions
         return {"type": "welcome", "session": player.number, "seed": player.seed, "level": player.level,
@@ -165,17 +173,30 @@ class Scheduler(threading.Thread):
             self.sessions = self.build()
             # (on the CPU, torch ops on a second thread would slow this one's about twice, measured)
             self.frame_size = list(self.sessions.runner.decoder.frame_shape(self.sessions.world.model.sample_size))
+            if self.on_ready is not None:  # (the background compile starts with the measuring frames)
+                self.on_ready(self)
             self._measure_capacity()
             self._publish()
-            if self.on_ready is not None:
-                self.on_ready(self)
         except BaseException as exc:
             self.error = exc
             self.ready.set()
             return
         self.ready.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # /healthz says so; the app closes every page
+            traceback.print_exc(file=sys.stderr)
+            self.error = exc
+        finally:
+            for player in list(self.players):
+                self._leave(player)
+
+    def _loop(self):
         next_step = time.perf_counter()
         while not self.stopping.is_set():
+            if not self.players and self.measured_with != self.sessions.runner.compiled:
+                self._measure_capacity()  # the compiled call took over: measured again while nobody plays
+                self._publish()
             self._run_tasks()
             for player in list(self.players):
                 self._apply_events(player)
@@ -188,8 +209,6 @@ class Scheduler(threading.Thread):
                 time.sleep(max(0.0, next_step - time.perf_counter()))
                 next_step = max(next_step + 1 / self.opt.max_fps, time.perf_counter())
             self._step(stepping)
-        for player in list(self.players):
-            self._leave(player)
 
     def _run_tasks(self):
         while True:
@@ -233,6 +252,7 @@ class Scheduler(threading.Thread):
     def _measure_capacity(self) -> None:
         """Time a step at each padded batch size up to the limit: the capacity is the most players
         whose step still gives each ``target_fps`` (kept current by every step after)."""
+        self.measured_with = self.sessions.runner.compiled
         limit = self.opt.max_sessions or self.opt.session_limit
         sizes = [n for n in (1 << i for i in range(11)) if n <= batch_rows(limit)] if self.opt.batched else [1]
         pipes = []
@@ -252,7 +272,7 @@ class Scheduler(threading.Thread):
                 self._close_pipe(pipe)
         self._update_capacity()
         ms = ", ".join(f"{n}: {s * 1000:.1f} ms" for n, s in self.step_s.items())
-        self.log(f"[owl] serve: a step by players {ms}; capacity {self.capacity} players"
+        self.log(f"[owl] serve: a step by players {ms} ({self.sessions.runner.compile_state()}); capacity {self.capacity} players"
                  + ("" if self.opt.max_sessions else f" at {self.opt.target_fps:g} FPS each (--target-fps)"))
 
     def _update_capacity(self) -> None:
@@ -272,7 +292,7 @@ class Scheduler(threading.Thread):
                       "paused": sum(p.paused for p in self.players),
                       "step_ms": {str(n): round(s * 1000, 2) for n, s in sorted(self.step_s.items())},
                       "last_step_ms": round(self.last_step_s * 1000, 2), "frames": self.frames_made,
-                      "batched": self.opt.batched, "compile": self.sessions.runner.compile_state()}
+                      "batched": self.opt.batched}
 
     def _join(self, hello: Hello, send) -> Player:
         if len(self.players) >= self.capacity:
@@ -329,7 +349,9 @@ class Scheduler(threading.Thread):
         for event in player.take_events():
             try:
                 self._apply_event(player, event)
-            except (PlayerError, ValueError, OSError, RuntimeError) as exc:
+            except Exception as exc:  # this player's event failed: only this player hears of it
+                if not isinstance(exc, (PlayerError, ValueError, OSError, RuntimeError)):
+                    traceback.print_exc(file=sys.stderr)
                 player.send({"type": "error", "code": "event_failed", "message": f"{event.name}: {exc}"})
 
     def _apply_event(self, player: Player, event: Event) -> None:
@@ -352,6 +374,7 @@ class Scheduler(threading.Thread):
                 raise PlayerError("a recording is already running; record_stop ends it")
             player.recording_name = f"{secrets.token_urlsafe(12)}.mp4"
             self.opt.record_dir.mkdir(parents=True, exist_ok=True)
+            self._prune_recordings()
             player.recorder = Mp4Writer(self.opt.record_dir / player.recording_name, fps=self.opt.record_fps,
                                         scale=self.opt.record_scale, flag="recording", need=MIN_FREE)
             player.send({"type": "recording", "state": "started", "limit_frames": self.opt.record_frames})
@@ -359,6 +382,13 @@ class Scheduler(threading.Thread):
             if player.recorder is None:
                 raise PlayerError("no recording is running; record_start begins one")
             self._finish_recording(player)
+
+    def _prune_recordings(self) -> None:
+        """Recordings are downloaded at once: those older than RECORDING_KEEP_S go."""
+        cutoff = time.time() - RECORDING_KEEP_S
+        for path in self.opt.record_dir.glob("*.mp4"):
+            if RECORDING_NAME.match(path.name) and path.stat().st_mtime < cutoff:
+                path.unlink(missing_ok=True)
 
     def _finish_recording(self, player: Player) -> None:
         recorder, player.recorder = player.recorder, None

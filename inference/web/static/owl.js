@@ -137,10 +137,13 @@
   });
   (function tick() { if (moved) sendControls(); requestAnimationFrame(tick); })();  // motion: once a display frame
 
-  ui.restart.onclick = () => send({ type: "event", name: "restart" });
-  ui.level.onclick = () => send({ type: "event", name: "level" });
-  ui.pause.onclick = () => send({ type: "event", name: status.paused ? "resume" : "pause" });
-  ui.record.onclick = () => send({ type: "event", name: status.recording ? "record_stop" : "record_start" });
+  const actions = {
+    restart: () => "restart", level: () => "level", pause: () => (status.paused ? "resume" : "pause"),
+    record: () => (status.recording ? "record_stop" : "record_start"),
+  };
+  for (const [id, name] of Object.entries(actions)) {
+    ui[id].onclick = () => { send({ type: "event", name: name() }); ui[id].blur(); };  // keys go to the game again
+  }
   ui.reconnect.onclick = connect;
   setInterval(draw, 500);
   connect();

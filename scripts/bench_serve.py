@@ -1,0 +1,183 @@
+"""What players of ``python -m inference.serve`` feel, batched against the same sessions stepped
+one by one, in one run on the shipped world.
+
+    python -m scripts.bench_serve [--players 1 2 4 8] [--seconds 10] [--rounds 2] [--compile auto|0] [--json out.json]
+
+Two servers run side by side, the batched one and one started with ``--one-by-one`` (each
+session its own model calls, one after another); the rounds alternate between them, so a busy
+machine weighs on both alike. In a round N websocket players on loopback play for --seconds
+(after a warm-up): each sends controls 20 times a second (a new seq each) and reads every frame.
+Reported per players and server: aggregate frames a second, each player's frames a second and
+frame interval p50/p95, and key-to-frame latency p50/p95: from sending a controls message to
+the first frame that used it (its header's seq), measured at the player. With ``--compile
+auto`` (the servers' default) the rounds start once both servers' frame calls are compiled.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+from scripts.common import machine
+
+SEND_HZ = 20.0
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "inference.serve", "--port", "0", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        self.url = None
+
+    def wait_ready(self, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            found = [m.group(1) for line in list(self.lines) if (m := re.search(r"serving at (http://\S+?)/ ", line))]
+            if found:
+                self.url = found[0]
+                return self.url
+            time.sleep(0.1)
+        raise SystemExit("error: a server did not start:\n" + "".join(self.lines))
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/healthz", timeout=10) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def player(url: str, seed: int, start: float, warmup: float, end: float) -> dict:
+    import websockets
+
+    from inference.web.protocol import read_frame
+
+    arrivals, latencies, sent = [], [], {}
+    async with websockets.connect(url.replace("http://", "ws://") + "/ws", max_size=2**22) as ws:
+        await ws.send(json.dumps({"type": "hello", "version": 1, "seed": seed}))
+
+        async def send():
+            seq, rng = 0, np.random.default_rng(seed)
+            while time.perf_counter() < end:
+                seq += 1
+                buttons = [int(b) for b in rng.random(11) < 0.2]
+                sent[seq] = time.perf_counter()
+                await ws.send(json.dumps({"type": "controls", "mouse": [float(rng.normal() * 3), 0.0],
+                                          "buttons": buttons, "seq": seq}))
+                await asyncio.sleep(1 / SEND_HZ)
+
+        sender = asyncio.create_task(send())
+        while time.perf_counter() < end:
+            try:
+                message = await asyncio.wait_for(ws.recv(), max(0.01, end - time.perf_counter()))
+            except asyncio.TimeoutError:
+                break
+            if not isinstance(message, bytes):
+                continue
+            now = time.perf_counter()
+            _, used, _, _ = read_frame(message)
+            if now >= start + warmup:
+                arrivals.append(now)
+            if used is not None:
+                for s in [s for s in sent if s <= used]:
+                    if sent[s] >= start + warmup:
+                        latencies.append(now - sent[s])
+                    del sent[s]
+        sender.cancel()
+    return {"arrivals": arrivals, "latencies": latencies}
+
+
+async def round_of(url: str, n: int, seconds: float, warmup: float) -> list[dict]:
+    start = time.perf_counter()
+    return await asyncio.gather(*[player(url, 100 + i, start, warmup, start + warmup + seconds) for i in range(n)])
+
+
+def summary(results: list[dict], seconds: float) -> dict:
+    intervals = np.concatenate([np.diff(r["arrivals"]) for r in results if len(r["arrivals"]) > 1] or [[np.nan]])
+    latencies = np.concatenate([r["latencies"] for r in results] or [[np.nan]])
+    frames = sum(len(r["arrivals"]) for r in results)
+    return {"aggregate_fps": frames / seconds, "player_fps_min": min(len(r["arrivals"]) / seconds for r in results),
+            "interval_ms_p50": float(np.nanpercentile(intervals, 50) * 1000),
+            "interval_ms_p95": float(np.nanpercentile(intervals, 95) * 1000),
+            "latency_ms_p50": float(np.nanpercentile(latencies, 50) * 1000),
+            "latency_ms_p95": float(np.nanpercentile(latencies, 95) * 1000)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--players", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--seconds", type=float, default=10.0, help="measured seconds a round (after --warmup)")
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of each players count and server, alternating")
+    p.add_argument("--compile", choices=["auto", "0"], default="auto", help="the servers' OWL_COMPILE")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if min(args.players) < 1 or args.seconds <= 0 or args.rounds < 1:
+        p.error("--players, --seconds and --rounds must be positive")
+    env = {**os.environ, "OWL_COMPILE": args.compile}
+    common = ["--max-sessions", str(max(args.players)), "--idle-timeout", "3600"]
+    common += ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    servers = {"batched": ServerProcess(common, env), "one_by_one": ServerProcess(common + ["--one-by-one"], env)}
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        if args.compile == "auto":  # the frame calls compile in the background: measure what follows
+            deadline = time.monotonic() + 1800
+            while any(s.health()["compile"] != "compiled" for s in servers.values()):
+                if time.monotonic() > deadline:
+                    raise SystemExit("error: the servers' compile did not finish in 30 minutes")
+                time.sleep(2)
+        runs = {(n, mode): [] for n in args.players for mode in servers}
+        for r in range(args.rounds):
+            for n in args.players:
+                for mode, server in servers.items():
+                    out = summary(asyncio.run(round_of(server.url, n, args.seconds, args.warmup)), args.seconds)
+                    runs[(n, mode)].append(out)
+                    print(f"round {r + 1} players {n} {mode}: " + " ".join(f"{k} {v:.1f}" for k, v in out.items()),
+                          flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    rows = []
+    for (n, mode), outs in runs.items():
+        row = {"players": n, "server": mode, **{k: float(np.median([o[k] for o in outs])) for k in outs[0]}}
+        one = np.median([o["aggregate_fps"] for o in runs[(args.players[0], mode)]])
+        row["x_one_player"] = row["aggregate_fps"] / one if args.players[0] == 1 else None
+        row["latency_p95_intervals"] = row["latency_ms_p95"] / row["interval_ms_p50"]
+        rows.append(row)
+    print(f"\n{machine()}; OWL_COMPILE={args.compile}; {args.seconds:g} s x {args.rounds} rounds (medians)")
+    print("| players | server | aggregate FPS | x one player | each player FPS (min) | interval ms p50 / p95 "
+          "| key-to-frame ms p50 / p95 | p95 in intervals |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in sorted(rows, key=lambda r: (r["players"], r["server"])):
+        x = f"{row['x_one_player']:.2f}" if row["x_one_player"] is not None else "-"
+        print(f"| {row['players']} | {row['server'].replace('_', ' ')} | {row['aggregate_fps']:.1f} | {x} "
+              f"| {row['player_fps_min']:.1f} | {row['interval_ms_p50']:.0f} / {row['interval_ms_p95']:.0f} "
+              f"| {row['latency_ms_p50']:.0f} / {row['latency_ms_p95']:.0f} | {row['latency_p95_intervals']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "compile": args.compile, "seconds": args.seconds, "rounds": args.rounds,
+                       "send_hz": SEND_HZ, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
