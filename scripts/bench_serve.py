@@ -10,7 +10,8 @@ machine weighs on both alike. In a round N websocket players on loopback play fo
 Reported per players and server: aggregate frames a second, each player's frames a second and
 frame interval p50/p95, and key-to-frame latency p50/p95: from sending a controls message to
 the first frame that used it (its header's seq), measured at the player. With ``--compile
-auto`` (the servers' default) the rounds start once both servers' frame calls are compiled.
+auto`` (the servers' default) the rounds start once both servers' frame calls are compiled (and
+their step times measured again).
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
             s.wait_ready()
         if args.compile == "auto":  # the frame calls compile in the background: measure what follows
             deadline = time.monotonic() + 1800
-            while any(s.health()["compile"] != "compiled" for s in servers.values()):
+            while any(s.health()["measured_with"] != "compiled" for s in servers.values()):
                 if time.monotonic() > deadline:
                     raise SystemExit("error: the servers' compile did not finish in 30 minutes")
                 time.sleep(2)
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
     for (n, mode), outs in runs.items():
         row = {"players": n, "server": mode, **{k: float(np.median([o[k] for o in outs])) for k in outs[0]}}
         one = np.median([o["aggregate_fps"] for o in runs[(args.players[0], mode)]])
-        row["x_one_player"] = row["aggregate_fps"] / one if args.players[0] == 1 else None
+        row["x_one_player"] = row["aggregate_fps"] / one if args.players[0] == 1 and one > 0 else None
         row["latency_p95_intervals"] = row["latency_ms_p95"] / row["interval_ms_p50"]
         rows.append(row)
     print(f"\n{machine()}; OWL_COMPILE={args.compile}; {args.seconds:g} s x {args.rounds} rounds (medians)")

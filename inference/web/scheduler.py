@@ -132,7 +132,7 @@ class Scheduler(threading.Thread):
         self.error: BaseException | None = None
         self.step_s: dict[int, float] = {}  # measured seconds of a step (made and decoded) by padded batch size
         self.capacity = options.max_sessions or 1
-        self.measured_with = None  # the frame call the capacity was measured with (the compiled one, or eager)
+        self.measured_with = None  # the frame call's state when the capacity was measured ("eager", "compiled" ...)
         self.frames_made, self.last_step_s = 0, 0.0
         self.stats: dict = {}  # for /healthz, replaced whole after every change
         self.frame_size: list[int] = []  # (H, W) of frames, found on this thread: torch runs nowhere else
@@ -194,8 +194,8 @@ class Scheduler(threading.Thread):
     def _loop(self):
         next_step = time.perf_counter()
         while not self.stopping.is_set():
-            if not self.players and self.measured_with != self.sessions.runner.compiled:
-                self._measure_capacity()  # the compiled call took over: measured again while nobody plays
+            if not self.players and self.measured_with != "compiled" == self.sessions.runner.compile_state():
+                self._measure_capacity()  # every compiled graph is in: measured again while nobody plays
                 self._publish()
             self._run_tasks()
             for player in list(self.players):
@@ -252,7 +252,7 @@ class Scheduler(threading.Thread):
     def _measure_capacity(self) -> None:
         """Time a step at each padded batch size up to the limit: the capacity is the most players
         whose step still gives each ``target_fps`` (kept current by every step after)."""
-        self.measured_with = self.sessions.runner.compiled
+        self.measured_with = self.sessions.runner.compile_state()
         limit = self.opt.max_sessions or self.opt.session_limit
         sizes = [n for n in (1 << i for i in range(11)) if n <= batch_rows(limit)] if self.opt.batched else [1]
         pipes = []
@@ -292,7 +292,7 @@ class Scheduler(threading.Thread):
                       "paused": sum(p.paused for p in self.players),
                       "step_ms": {str(n): round(s * 1000, 2) for n, s in sorted(self.step_s.items())},
                       "last_step_ms": round(self.last_step_s * 1000, 2), "frames": self.frames_made,
-                      "batched": self.opt.batched}
+                      "batched": self.opt.batched, "measured_with": self.measured_with}
 
     def _join(self, hello: Hello, send) -> Player:
         if len(self.players) >= self.capacity:
