@@ -8,10 +8,13 @@ The page, the protocol, admission and scaling out behind nginx: docs/serve.md.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 if __name__ == "__main__":  # first of all, before torch loads (seconds): say so; a Ctrl-C now ends quietly
@@ -100,11 +103,16 @@ def clip_arg(value: str):
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings_as_lines()
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
     keep_graphs_between_starts()
     temporary = None
     try:
         sock = listen(args.host, args.port)
-        world, settings, budget = run_settings(args)
+        # A server keeps its thread count (OWL_THREADS, or the physical cores): following the cores
+        # other processes leave free, as the window does, switched graphs mid-game and measured
+        # seconds-long stalls beside the players' own clients.
+        world, settings, _ = run_settings(args)
         check_simulator(world)
         if args.record_dir is None:
             temporary = args.record_dir = tempfile.mkdtemp(prefix="owl-recordings-")
@@ -122,9 +130,9 @@ def main(argv=None) -> int:
 
         def ready(scheduler):
             rows = sorted({batch_rows(n) for n in range(1, limit + 1)}) if options.batched else (1,)
-            compile_in_background(scheduler.sessions.runner, settings, budget, rows)
+            compile_in_background(scheduler.sessions.runner, settings, None, rows)
 
-        scheduler = Scheduler(build, options, budget, on_ready=ready)
+        scheduler = Scheduler(build, options, on_ready=ready)
         scheduler.start()
         scheduler.ready.wait()
         if scheduler.error is not None:

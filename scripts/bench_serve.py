@@ -3,10 +3,10 @@ one by one, in one run on the shipped world.
 
     python -m scripts.bench_serve [--players 1 2 4 8] [--seconds 10] [--rounds 2] [--compile auto|0] [--json out.json]
 
-Two servers run side by side, the batched one and one started with ``--one-by-one`` (each
-session its own model calls, one after another); the rounds alternate between them, so a busy
-machine weighs on both alike. In a round N websocket players on loopback play for --seconds
-(after a warm-up): each sends controls 20 times a second (a new seq each) and reads every frame.
+The batched server runs first, then one started with ``--one-by-one`` (each session its own
+model calls, one after another), the same players against each. In a round N websocket players
+on loopback play for --seconds (after a warm-up): each sends controls 20 times a second (a new
+seq each) and reads every frame.
 Reported per players and server: aggregate frames a second, each player's frames a second and
 frame interval p50/p95, and key-to-frame latency p50/p95: from sending a controls message to
 the first frame that used it (its header's seq), measured at the player. With ``--compile
@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -34,12 +35,21 @@ SEND_HZ = 20.0
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict):
+    def __init__(self, args: list[str], env: dict, log: str):
+        """A server whose output goes to the file ``log`` (and ``lines``)."""
         self.proc = subprocess.Popen([sys.executable, "-m", "inference.serve", "--port", "0", *args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        self.log = log
+        threading.Thread(target=self._drain, daemon=True).start()
         self.url = None
+
+    def _drain(self):
+        with open(self.log, "w") as f:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                f.write(line)
+                f.flush()
 
     def wait_ready(self, timeout: float = 300) -> str:
         deadline = time.monotonic() + timeout
@@ -126,37 +136,45 @@ def main(argv=None) -> int:
     p.add_argument("--players", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds a round (after --warmup)")
     p.add_argument("--warmup", type=float, default=2.0)
-    p.add_argument("--rounds", type=int, default=2, help="rounds of each players count and server, alternating")
+    p.add_argument("--rounds", type=int, default=2, help="measured rounds of each players count on each server")
     p.add_argument("--compile", choices=["auto", "0"], default="auto", help="the servers' OWL_COMPILE")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--logs", default=None, help="folder for the servers' output (default: a temporary one, printed)")
     args = p.parse_args(argv)
     if min(args.players) < 1 or args.seconds <= 0 or args.rounds < 1:
         p.error("--players, --seconds and --rounds must be positive")
     env = {**os.environ, "OWL_COMPILE": args.compile}
     common = ["--max-sessions", str(max(args.players)), "--idle-timeout", "3600"]
     common += ["--checkpoint", args.checkpoint] if args.checkpoint else []
-    servers = {"batched": ServerProcess(common, env), "one_by_one": ServerProcess(common + ["--one-by-one"], env)}
-    try:
-        for s in servers.values():
-            s.wait_ready()
-        if args.compile == "auto":  # the frame calls compile in the background: measure what follows
-            deadline = time.monotonic() + 1800
-            while any(s.health()["measured_with"] != "compiled" for s in servers.values()):
-                if time.monotonic() > deadline:
-                    raise SystemExit("error: the servers' compile did not finish in 30 minutes")
-                time.sleep(2)
-        runs = {(n, mode): [] for n in args.players for mode in servers}
-        for r in range(args.rounds):
-            for n in args.players:
-                for mode, server in servers.items():
-                    out = summary(asyncio.run(round_of(server.url, n, args.seconds, args.warmup)), args.seconds)
+    logs = args.logs or tempfile.mkdtemp(prefix="bench-serve-")
+    os.makedirs(logs, exist_ok=True)
+    runs = {(n, mode): [] for n in args.players for mode in ("batched", "one_by_one")}
+    # One server at a time: two servers' thread pools on the same cores measured stalls of seconds.
+    for mode, flags in (("batched", []), ("one_by_one", ["--one-by-one"])):
+        server = ServerProcess(common + flags, env, os.path.join(logs, f"{mode}.log"))
+        try:
+            server.wait_ready()
+            if args.compile == "auto":  # the frame call compiles in the background: measure what follows
+                deadline = time.monotonic() + 1800
+                while server.health()["measured_with"] != "compiled":
+                    if time.monotonic() > deadline:
+                        raise SystemExit("error: the server's compile did not finish in 30 minutes")
+                    time.sleep(2)
+            for n in args.players:  # joins and each batch size's first calls, unmeasured
+                asyncio.run(round_of(server.url, n, 0.5, 1.0))
+            for r in range(args.rounds):
+                for n in args.players:
+                    results = asyncio.run(round_of(server.url, n, args.seconds, args.warmup))
+                    if not all(x["arrivals"] for x in results):
+                        print(f"warning: a player got no frames in round {r + 1}, {n} players; the {mode} server's "
+                              f"output: {server.log}", flush=True)
+                    out = summary(results, args.seconds)
                     runs[(n, mode)].append(out)
                     print(f"round {r + 1} players {n} {mode}: " + " ".join(f"{k} {v:.1f}" for k, v in out.items()),
                           flush=True)
-    finally:
-        for s in servers.values():
-            s.stop()
+        finally:
+            server.stop()
     rows = []
     for (n, mode), outs in runs.items():
         row = {"players": n, "server": mode, **{k: float(np.median([o[k] for o in outs])) for k in outs[0]}}
@@ -164,6 +182,7 @@ def main(argv=None) -> int:
         row["x_one_player"] = row["aggregate_fps"] / one if args.players[0] == 1 and one > 0 else None
         row["latency_p95_intervals"] = row["latency_ms_p95"] / row["interval_ms_p50"]
         rows.append(row)
+    print(f"\nthe servers' output: {logs}")
     print(f"\n{machine()}; OWL_COMPILE={args.compile}; {args.seconds:g} s x {args.rounds} rounds (medians)")
     print("| players | server | aggregate FPS | x one player | each player FPS (min) | interval ms p50 / p95 "
           "| key-to-frame ms p50 / p95 | p95 in intervals |")

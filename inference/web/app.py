@@ -158,6 +158,12 @@ class Connection:
                 self._fault(ProtocolError("hello_again", "hello was already said; send controls or event messages"))
 
     async def _send_loop(self) -> None:
+        try:
+            await self._send_all()
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the page went away mid-send
+            pass
+
+    async def _send_all(self) -> None:
         status_due = time.monotonic() + 1.0
         while True:
             try:

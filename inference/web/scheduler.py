@@ -38,6 +38,7 @@ from .protocol import MAX_LEVEL, MOUSE_LIMIT, Controls, Event, Hello, frame_mess
 MAX_PENDING_EVENTS = 16  # events a page may queue before the next step (more: a flood)
 RECORDING_NAME = re.compile(r"^[A-Za-z0-9_-]{16}\.mp4$")  # what record_start names a recording
 RECORDING_KEEP_S = 3600
+SLOW_STEP_S = 1.0
 
 
 class ServerFull(Exception):
@@ -119,11 +120,11 @@ def encode_image(frame: np.ndarray, fmt: str, quality: int) -> bytes:
 
 
 class Scheduler(threading.Thread):
-    def __init__(self, build, options: ServeOptions, budget=None, on_ready=None, log=print):
+    def __init__(self, build, options: ServeOptions, on_ready=None, log=print):
         """``build()`` -> ``Sessions`` (run on this thread: on the CPU torch's thread pool belongs
         to the thread that first runs it); ``on_ready(scheduler)`` runs here once it is built."""
         super().__init__(daemon=True, name="owl-serve-steps")
-        self.build, self.opt, self.budget, self.on_ready, self.log = build, options, budget, on_ready, log
+        self.build, self.opt, self.on_ready, self.log = build, options, on_ready, log
         self.sessions: Sessions | None = None
         self.players: list[Player] = []  # this thread's
         self.joined = 0
@@ -400,8 +401,6 @@ class Scheduler(threading.Thread):
                          "url": f"/recordings/{path.name}"})
 
     def _step(self, stepping: list[Player]) -> None:
-        if self.budget is not None:
-            self.budget.check()
         taken = {p: p.take_controls() for p in stepping}
         t0 = time.perf_counter()
         try:
@@ -414,6 +413,8 @@ class Scheduler(threading.Thread):
                 self._leave(player)
             return
         seconds = time.perf_counter() - t0
+        if seconds > SLOW_STEP_S:  # the players felt it: say so (a busy machine, a graph's first call)
+            self.log(f"[owl] serve: a step of {len(stepping)} players took {seconds:.2f} s")
         size = batch_rows(max(self.sessions.rows[p.pipe] for p in stepping) + 1) if self.opt.batched else 1
         per = seconds if self.opt.batched else seconds / len(stepping)
         self.step_s[size] = per if size not in self.step_s else 0.8 * self.step_s[size] + 0.2 * per
