@@ -104,7 +104,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warnings_as_lines()
     if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
+        try:  # kill -USR1 <pid>: every thread's stack, on the terminal
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # no terminal to write to
+            pass
     keep_graphs_between_starts()
     temporary = None
     try:
