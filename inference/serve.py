@@ -34,6 +34,7 @@ from owl_wms.maze.worlds import check_simulator  # noqa: E402
 from owl_wms.settings import SettingsError  # noqa: E402
 
 from .flags import flag_message, warnings_as_lines  # noqa: E402
+from .signals import end_startup  # noqa: E402
 from .game_cv import add_world_arguments, compile_in_background, keep_graphs_between_starts, run_settings  # noqa: E402
 from .video import OutputPathError  # noqa: E402
 from .web.app import Limits, create_app  # noqa: E402
@@ -117,12 +118,10 @@ def main(argv=None) -> int:
         # seconds-long stalls beside the players' own clients.
         world, settings, _ = run_settings(args)
         check_simulator(world)
-        if args.record_dir is None:
-            temporary = args.record_dir = tempfile.mkdtemp(prefix="owl-recordings-")
         options = ServeOptions(max_sessions=args.max_sessions, session_limit=args.max_sessions or args.session_limit,
                                target_fps=args.target_fps, batched=not args.one_by_one, clip=clip_arg(args.clip),
                                world_seed=args.world_seed, quality=args.quality, max_fps=args.max_fps,
-                               record_dir=Path(args.record_dir),
+                               record_dir=Path(args.record_dir or "recordings"),
                                save_actions=Path(args.save_actions) if args.save_actions else None)
         limit = options.session_limit
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) for up to {limit} "
@@ -140,6 +139,15 @@ def main(argv=None) -> int:
         scheduler.ready.wait()
         if scheduler.error is not None:
             raise scheduler.error
+        end_startup()  # from here a stop signal stops the server gracefully
+        # uvicorn stops gracefully on SIGTERM, then raises it again: exit through the finally
+        # blocks below (the temporary recordings go) instead of the default handler's abrupt end
+        for stop in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(stop) is not signal.SIG_IGN:
+                signal.signal(stop, lambda signum, frame: sys.exit(128 + signum))
+        if args.record_dir is None:  # made once start-up is over: an interrupted start leaves nothing
+            temporary = tempfile.mkdtemp(prefix="owl-recordings-")
+            options.record_dir = Path(temporary)
         return serve(scheduler, sock, Limits(idle_timeout=args.idle_timeout))
     except USER_ERRORS as exc:
         print(f"error: {flag_message(exc)}", file=sys.stderr)

@@ -88,7 +88,7 @@ class Connection:
             pass
         finally:
             if self.player is not None and self.scheduler.is_alive():
-                await asyncio.wrap_future(self.scheduler.leave(self.player))
+                await asyncio.wrap_future(self.scheduler.remove_player(self.player))
             if self.closing is not None:
                 self.wake.set()
                 try:
@@ -131,7 +131,7 @@ class Connection:
             raise Closing(protocol.CLOSE_PROTOCOL, "the first message must be a hello: "
                                                    '{"type": "hello", "version": 1}')
         try:
-            self.player = await asyncio.wrap_future(self.scheduler.join(hello, self.post))
+            self.player = await asyncio.wrap_future(self.scheduler.add_player(hello, self.post))
         except ServerFull as exc:
             self.messages.append({"type": "full", "message": f"server full, {exc.players} playing",
                                   "players": exc.players, "capacity": exc.capacity})

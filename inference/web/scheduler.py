@@ -146,10 +146,11 @@ class Scheduler(threading.Thread):
         self.wake.set()
         return future
 
-    def join(self, hello: Hello, send) -> concurrent.futures.Future:
+    def add_player(self, hello: Hello, send) -> concurrent.futures.Future:
+        """A new session for a page (``ServerFull`` past capacity)."""
         return self.submit(self._join, hello, send)
 
-    def leave(self, player: Player) -> concurrent.futures.Future:
+    def remove_player(self, player: Player) -> concurrent.futures.Future:
         return self.submit(self._leave, player)
 
     def stop(self) -> None:
