@@ -175,10 +175,10 @@ class Scheduler(threading.Thread):
             self.sessions = self.build()
             # (on the CPU, torch ops on a second thread would slow this one's about twice, measured)
             self.frame_size = list(self.sessions.runner.decoder.frame_shape(self.sessions.world.model.sample_size))
-            if self.on_ready is not None:  # (the background compile starts with the measuring frames)
-                self.on_ready(self)
-            self._measure_capacity()
+            self._measure_capacity()  # first, on a quiet machine
             self._publish()
+            if self.on_ready is not None:  # (a background compile starts with the first player, or soon)
+                self.on_ready(self)
         except BaseException as exc:
             self.error = exc
             self.ready.set()
