@@ -65,6 +65,12 @@ class ServerProcess:
         with urllib.request.urlopen(self.url + "/healthz", timeout=10) as r:
             return json.loads(r.read())
 
+    def wait_empty(self, timeout: float = 60) -> None:
+        """Until the last round's players have left (their sessions close as their sockets do)."""
+        deadline = time.monotonic() + timeout
+        while self.health()["sessions"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -98,6 +104,9 @@ async def player(url: str, seed: int, start: float, warmup: float, end: float) -
             try:
                 message = await asyncio.wait_for(ws.recv(), max(0.01, end - time.perf_counter()))
             except asyncio.TimeoutError:
+                break
+            except websockets.ConnectionClosed as closed:  # (full, say): the round reports no frames
+                print(f"warning: player {seed}'s socket closed: {closed}", flush=True)
                 break
             if not isinstance(message, bytes):
                 continue
@@ -162,9 +171,11 @@ def main(argv=None) -> int:
                         raise SystemExit("error: the server's compile did not finish in 30 minutes")
                     time.sleep(2)
             for n in args.players:  # joins and each batch size's first calls, unmeasured
+                server.wait_empty()
                 asyncio.run(round_of(server.url, n, 0.5, 1.0))
             for r in range(args.rounds):
                 for n in args.players:
+                    server.wait_empty()
                     results = asyncio.run(round_of(server.url, n, args.seconds, args.warmup))
                     if not all(x["arrivals"] for x in results):
                         print(f"warning: a player got no frames in round {r + 1}, {n} players; the {mode} server's "

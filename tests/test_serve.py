@@ -128,7 +128,8 @@ def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_
         for first, reason in ((json.dumps({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11, "seq": 1}),
                                "first message must be a hello"),
                               (json.dumps({"type": "hello", "version": 2}), "version 2 is not served"),
-                              (json.dumps({"type": "hello", "version": 1, "level": -5}), "hello.level")):
+                              (json.dumps({"type": "hello", "version": 1, "level": -5}), "hello.level"),
+                              (json.dumps({"type": "hello", "version": 1, "format": "ü" * 200}), "hello.format")):
             code, why = closed_with(Player(server.ws_url, first=first))
             assert code == protocol.CLOSE_PROTOCOL and reason in why, (code, why)
         flood = Player(server.ws_url)

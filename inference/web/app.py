@@ -40,6 +40,7 @@ class Limits:
 
 class Closing(Exception):
     def __init__(self, code: int, reason: str):
+        reason = reason.encode()[:123].decode(errors="ignore")  # a close frame holds 123 bytes of reason
         super().__init__(reason)
         self.code, self.reason = code, reason
 
@@ -70,7 +71,7 @@ class Connection:
             self.frame = item
         else:
             if item.pop("close", False):
-                self.closing = self.closing or Closing(protocol.CLOSE_SERVER_ERROR, item.get("message", "")[:120])
+                self.closing = self.closing or Closing(protocol.CLOSE_SERVER_ERROR, item.get("message", ""))
             self.messages.append(item)
             if len(self.messages) > self.limits.max_outbox:
                 self.closing = self.closing or Closing(protocol.CLOSE_PROTOCOL, "the page is not reading its messages")
@@ -118,7 +119,7 @@ class Connection:
         self.errors += 1
         if self.errors > self.limits.max_errors:
             raise Closing(protocol.CLOSE_PROTOCOL, f"more than {self.limits.max_errors} malformed messages; "
-                                                   f"the last: {exc}"[:120])
+                                                   f"the last: {exc}")
         self.messages.append({"type": "error", "code": exc.code, "message": str(exc)})
         self.wake.set()
 
@@ -126,7 +127,7 @@ class Connection:
         try:
             hello = protocol.parse(await self._receive(self.limits.hello_timeout, "a hello first"))
         except ProtocolError as exc:
-            raise Closing(protocol.CLOSE_PROTOCOL, f"{exc}"[:120]) from None
+            raise Closing(protocol.CLOSE_PROTOCOL, str(exc)) from None
         if not isinstance(hello, Hello):
             raise Closing(protocol.CLOSE_PROTOCOL, "the first message must be a hello: "
                                                    '{"type": "hello", "version": 1}')
@@ -138,7 +139,7 @@ class Connection:
             raise Closing(protocol.CLOSE_FULL, f"server full, {exc.players} playing") from None
         except (ValueError, OSError, RuntimeError) as exc:
             self.messages.append({"type": "error", "code": "start_failed", "message": str(exc)})
-            raise Closing(protocol.CLOSE_SERVER_ERROR, f"the session could not start: {exc}"[:120]) from None
+            raise Closing(protocol.CLOSE_SERVER_ERROR, f"the session could not start: {exc}") from None
         self.messages.appendleft({**self.scheduler.welcome(self.player), **self.page, "version": protocol.VERSION})
         self.welcomed = True
         self.wake.set()

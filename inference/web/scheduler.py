@@ -144,6 +144,8 @@ class Scheduler(threading.Thread):
         future = concurrent.futures.Future()
         self.tasks.put((future, fn, args))
         self.wake.set()
+        if not self.is_alive():  # stopped (or failed) before it could run it
+            self._run_tasks(refuse=RuntimeError("the server is stopping"))
         return future
 
     def add_player(self, hello: Hello, send) -> concurrent.futures.Future:
@@ -186,12 +188,13 @@ class Scheduler(threading.Thread):
         self.ready.set()
         try:
             self._loop()
-        except BaseException as exc:  # /healthz says so; the app closes every page
+        except BaseException as exc:  # /healthz says so (503)
             traceback.print_exc(file=sys.stderr)
             self.error = exc
         finally:
             for player in list(self.players):
                 self._leave(player)
+            self._run_tasks(refuse=RuntimeError("the server is stopping"))
 
     def _loop(self):
         next_step = time.perf_counter()
@@ -212,7 +215,9 @@ class Scheduler(threading.Thread):
                 next_step = max(next_step + 1 / self.opt.max_fps, time.perf_counter())
             self._step(stepping)
 
-    def _run_tasks(self):
+    def _run_tasks(self, refuse: Exception | None = None):
+        """Run what was asked of this thread; with ``refuse``, hand each waiter that error instead
+        (nobody will run it: the thread is stopping)."""
         while True:
             try:
                 future, fn, args = self.tasks.get_nowait()
@@ -220,6 +225,8 @@ class Scheduler(threading.Thread):
                 return
             if future.set_running_or_notify_cancel():
                 try:
+                    if refuse is not None:
+                        raise refuse
                     future.set_result(fn(*args))
                 except BaseException as exc:  # handed to whoever waits on it
                     future.set_exception(exc)
