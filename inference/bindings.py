@@ -37,22 +37,34 @@ def mouse_button(name: str) -> int | None:
     return int(name[5:]) if name.startswith("mouse") and name[5:].isdigit() else None
 
 
+def binding_tables(bindings, key_code, mouse_code=lambda button, n: n) -> tuple[dict, dict]:
+    """(key code -> button index, mouse code -> button index) of the config's bindings, each code
+    from ``key_code(button, name)`` or ``mouse_code(button, N)`` (for ``mouseN``); either raises
+    ValueError naming a binding it has no code for. Two buttons on one key are refused."""
+    keys, mouse = {}, {}
+    for button, name in merged_bindings(bindings).items():
+        n = mouse_button(name)
+        table, code = (mouse, mouse_code(button, n)) if n is not None else (keys, key_code(button, name))
+        if code in table:
+            raise ValueError(f"controls.bindings: {name!r} is bound to both {BUTTONS[table[code]]} and {button}")
+        table[code] = BUTTONS.index(button)
+    return keys, mouse
+
+
 def browser_bindings(bindings) -> dict:
     """{"keys": {KeyboardEvent.code: button index}, "mouse": {MouseEvent.button: button index}}
     of the config's bindings (Escape stays the browser's: it leaves pointer lock)."""
-    keys, mouse = {}, {}
-    for button, name in merged_bindings(bindings).items():
-        index, n = BUTTONS.index(button), mouse_button(name)
-        if n is not None:
-            if not 1 <= n <= 5:
-                raise ValueError(f"controls.bindings.{button}={name!r}: a browser has mouse1 to mouse5")
-            table, code = mouse, str(n - 1)  # the browser counts from 0: left, middle, right, back, forward
-        elif name in BROWSER_KEYS:
-            table, code = keys, BROWSER_KEYS[name]
-        else:
+
+    def key_code(button, name):
+        if name not in BROWSER_KEYS:
             raise ValueError(f"controls.bindings.{button}={name!r} has no browser key; the page knows "
                              f"letters, digits, {', '.join(repr(k) for k in list(BROWSER_KEYS)[36:48])} ...")
-        if code in table:
-            raise ValueError(f"controls.bindings: {name!r} is bound to both {BUTTONS[table[code]]} and {button}")
-        table[code] = index
+        return BROWSER_KEYS[name]
+
+    def mouse_code(button, n):
+        if not 1 <= n <= 5:
+            raise ValueError(f"controls.bindings.{button}={f'mouse{n}'!r}: a browser has mouse1 to mouse5")
+        return str(n - 1)  # the browser counts from 0: left, middle, right, back, forward
+
+    keys, mouse = binding_tables(bindings, key_code, mouse_code)
     return {"keys": keys, "mouse": mouse}

@@ -30,7 +30,7 @@ from owl_wms.controls import BUTTONS  # noqa: E402
 from owl_wms.engine import CausvidPipeline  # noqa: E402
 
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
-from .bindings import merged_bindings, mouse_button  # noqa: E402
+from .bindings import binding_tables  # noqa: E402
 from .cues import event_cue, first_frame_cue  # noqa: E402
 from .headless import pipeline_rate  # noqa: E402
 from .signals import StopOnSigint  # noqa: E402
@@ -55,24 +55,19 @@ def parse_bindings(bindings: dict | None) -> tuple[dict[int, int], dict[int, int
     """Config ``controls.bindings`` (button name -> pygame key name or ``mouseN``) over the
     defaults -> (key code -> button index, mouse button -> button index)."""
     pygame.display.init()  # key names resolve only once pygame's video is initialised (idempotent)
-    keys, mouse = {}, {}
-    for button, name in merged_bindings(bindings).items():
-        index = BUTTONS.index(button)
-        if mouse_button(name) is not None:
-            table, code = mouse, mouse_button(name)
-        else:
-            try:
-                table, code = keys, pygame.key.key_code(name)
-            except ValueError:
-                raise ValueError(f"controls.bindings.{button}={name!r} is not a pygame key name "
-                                 "(examples: 'w', 'left shift', 'space', 'mouse1')") from None
-            if code in CONTROL_KEYS:
-                raise ValueError(f"controls.bindings.{button}={name!r} collides with the control key "
-                                 f"for {CONTROL_KEYS[code]!r}; F-keys and Esc are reserved")
-        if code in table:
-            raise ValueError(f"controls.bindings: {name!r} is bound to both {BUTTONS[table[code]]} and {button}")
-        table[code] = index
-    return keys, mouse
+
+    def key_code(button, name):
+        try:
+            code = pygame.key.key_code(name)
+        except ValueError:
+            raise ValueError(f"controls.bindings.{button}={name!r} is not a pygame key name "
+                             "(examples: 'w', 'left shift', 'space', 'mouse1')") from None
+        if code in CONTROL_KEYS:
+            raise ValueError(f"controls.bindings.{button}={name!r} collides with the control key "
+                             f"for {CONTROL_KEYS[code]!r}; F-keys and Esc are reserved")
+        return code
+
+    return binding_tables(bindings, key_code)
 
 
 class Controls:

@@ -82,8 +82,12 @@ class Player:
         self.frames = 0  # frames made since the session began
         self.dropped = 0  # frames the page was too slow to take (the app counts them)
         self.recorder: Mp4Writer | None = None
-        self.recording_name: str | None = None
         self.actions = None  # the action log's file
+
+    @property
+    def start(self) -> dict:
+        """Where the session's history came from: a simulator level, or else the server's clip."""
+        return {"level": self.level, "clip": None if self.level is not None else str(self.clip)}
 
     def set_controls(self, c: Controls) -> None:
         with self.lock:  # motion adds up until a step takes it; buttons are as last held
@@ -165,8 +169,7 @@ class Scheduler(threading.Thread):
 
     def welcome(self, player: Player) -> dict:
         s = self.sessions
-        return {"type": "welcome", "session": player.number, "seed": player.seed, "level": player.level,
-                "clip": None if player.level is not None else str(player.clip), "format": player.format,
+        return {"type": "welcome", "session": player.number, "seed": player.seed, **player.start, "format": player.format,
                 "frame_size": self.frame_size,
                 "kv": s.settings.kv.describe() if s.settings.kv_cache != "none" else "none",
                 "players": len(self.players), "capacity": self.capacity}
@@ -269,7 +272,7 @@ class Scheduler(threading.Thread):
             for n in sizes:
                 while len(pipes) < min(n, limit):
                     pipes.append(self._open_pipe(self.sessions.settings.seed))
-                    pipes[-1].load_clip(self.opt.clip)
+                    self._start(pipes[-1], None)
                 times = []
                 for _ in range(3):  # the first step of a size warms its kernels up
                     t0 = time.perf_counter()
@@ -327,8 +330,7 @@ class Scheduler(threading.Thread):
         folder.mkdir(parents=True, exist_ok=True)
         stem = folder / f"session-{player.number}"
         start = (f"--world-seed {player.level}" if player.level is not None else f"--clip {player.clip}")
-        meta = {"session": player.number, "seed": player.seed, "level": player.level,
-                "clip": None if player.level is not None else str(player.clip), "settings": self.sessions.settings.describe(),
+        meta = {"session": player.number, "seed": player.seed, **player.start, "settings": self.sessions.settings.describe(),
                 "replay": f"python -m inference.game_cv --headless --seed {player.seed} {start} "
                           f"--actions {stem}.jsonl --out session-{player.number}.mp4"}
         stem.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -381,10 +383,9 @@ class Scheduler(threading.Thread):
         elif name == "record_start":
             if player.recorder is not None:
                 raise PlayerError("a recording is already running; record_stop ends it")
-            player.recording_name = f"{secrets.token_urlsafe(12)}.mp4"
             self.opt.record_dir.mkdir(parents=True, exist_ok=True)
             self._prune_recordings()
-            player.recorder = Mp4Writer(self.opt.record_dir / player.recording_name, fps=self.opt.record_fps,
+            player.recorder = Mp4Writer(self.opt.record_dir / f"{secrets.token_urlsafe(12)}.mp4", fps=self.opt.record_fps,
                                         scale=self.opt.record_scale, flag="recording", need=MIN_FREE)
             player.send({"type": "recording", "state": "started", "limit_frames": self.opt.record_frames})
         elif name == "record_stop":
