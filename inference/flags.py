@@ -80,7 +80,7 @@ def with_threads(settings: Settings, ranks: int = 1) -> Settings:
     if settings.threads == 0:  # OMP_NUM_THREADS, where set (torchrun sets it), is torch's choice already
         auto = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else physical_cores() // ranks
         settings = settings.replace(threads=max(1, auto))
-    torch.set_num_threads(settings.threads)
+    torch.set_num_threads(settings.generator_threads)  # OWL_DECODE=async: one goes to the decoding thread
     return settings
 
 

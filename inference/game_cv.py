@@ -116,7 +116,7 @@ def run_settings(args) -> tuple[WorldConfig, Settings, CoreBudget]:
     world = load_world(args.checkpoint)
     chosen = resolve_settings(world.inference)
     settings = with_threads(chosen, args.tp)
-    budget = CoreBudget(settings.threads, adaptive=chosen.threads == 0 and args.tp == 1
+    budget = CoreBudget(settings.generator_threads, adaptive=chosen.threads == 0 and args.tp == 1
                         and not os.environ.get("OMP_NUM_THREADS"))
     return world, settings.replace(seed=args.seed) if args.seed is not None else settings, budget
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from owl_wms.engine import CausvidPipeline
+from owl_wms.engine.decode_stage import DecodeStage
 from owl_wms.parallel import ParallelContext
 
 from .actions import apply_event, is_event, load_actions
@@ -106,6 +107,17 @@ def pipeline_rate(seconds: list[float]) -> str:
     return text
 
 
+def keep_decoded(stage, show) -> None:
+    """On the way out (Ctrl-C, an error): the frames already made still go into the outputs."""
+    try:
+        for real, frame in stage.drain():
+            show(frame, real)
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a broken decode: the frames before it stand
+        pass
+    finally:
+        stage.close()
+
+
 def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBudget | None = None) -> int:
     """Render ``args.actions`` to ``args.out`` with the pipeline ``build(args, tp)`` makes; returns
     the exit code (130 when interrupted). The video of the frames so far is always finalised.
@@ -125,13 +137,27 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
     sheet_path = check_output_path(args.sheet, suffix=".png", flag="--sheet") if args.sheet else None
     writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
     interrupted, error = False, None
-    frame_seconds: list[float] = []  # each frame's denoise + decode
+    frame_seconds: list[float] = []  # each frame's denoise + decode (decoding beside: since the frame before)
     shown = []  # the views of each frame, (simulator, model) or (model,): --save-frames and --sheet
-    bar = None
+    bar = stage = last_out = None
+
+    def show(frame, real):
+        """Frame after frame in order: into the video (beside the simulator's ``real`` view)."""
+        if writer.frames == 0 and (warning := flat_frame_warning(frame)):
+            tqdm.write(warning, file=sys.stderr)
+        views = (frame,) if real is None else (real, frame)
+        writer.write(frame if real is None else beside.frame(*views))
+        if frames_path is not None or sheet_path is not None:
+            shown.append(views)
+        if bar is not None:
+            bar.update(1)
+
     try:
         pipe = build(args, tp)  # a Ctrl-C while it loads ends the run at once: nothing is written yet
         pipe.log = tqdm.write  # diagnostics above the progress bar, never on its line
         beside = SimulatorBeside(pipe) if args.beside_simulator else None
+        if pipe.settings.decode == "async":
+            stage = DecodeStage(lambda latent: pipe.decode(latent).numpy(), threads=pipe.settings.decode_threads)
         frames = sum(not is_event(x) for x in items)
         require_space(output_estimates(args, pipe.frame_shape, frames, beside is not None))
         with StopOnSigint() as stop:
@@ -153,21 +179,31 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
                     continue
                 if budget is not None:
                     budget.check()
-                frame, secs = pipe(*item)
-                frame_seconds.append(secs)
-                if writer.frames == 0 and (warning := flat_frame_warning(frame)):
-                    tqdm.write(warning, file=sys.stderr)
-                views = (frame.numpy(),) if beside is None else (beside.step(pipe.last_controls), frame.numpy())
-                writer.write(views[0] if beside is None else beside.frame(*views))
-                if frames_path is not None or sheet_path is not None:
-                    shown.append(views)
-                bar.update(1)
+                if stage is None:
+                    frame, secs = pipe(*item)
+                    frame_seconds.append(secs)
+                    show(frame.numpy(), beside.step(pipe.last_controls) if beside is not None else None)
+                    continue
+                # OWL_DECODE=async: this frame decodes while the next one is made
+                last_out = last_out or time.perf_counter()
+                latent = pipe.generate(*item)
+                stage.submit(latent, tag=beside.step(pipe.last_controls) if beside is not None else None)
+                for real, frame in stage.ready():
+                    frame_seconds.append(time.perf_counter() - last_out)  # from the frame before
+                    last_out = time.perf_counter()
+                    show(frame, real)
+            for real, frame in stage.drain() if stage is not None else ():
+                frame_seconds.append(time.perf_counter() - last_out)
+                last_out = time.perf_counter()
+                show(frame, real)
             pipe.close()  # TP: the other ranks stop after a last vote and lifecycle check
     except KeyboardInterrupt:
         interrupted = True
     except Exception as exc:  # the video of the frames so far is still finalised and reported
         error = exc
     finally:
+        if stage is not None:
+            keep_decoded(stage, show)
         if bar is not None:
             bar.close()  # messages after it start on a line of their own
         path = writer.close()

@@ -13,6 +13,7 @@ game buttons:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import queue
 import sys
@@ -28,6 +29,7 @@ import pygame  # noqa: E402
 
 from owl_wms.controls import BUTTONS  # noqa: E402
 from owl_wms.engine import CausvidPipeline  # noqa: E402
+from owl_wms.engine.decode_stage import DecodeStage  # noqa: E402
 
 from .actions import action_line, apply_event, is_event, read_action_file  # noqa: E402
 from .bindings import binding_tables  # noqa: E402
@@ -185,17 +187,24 @@ class Worker(threading.Thread):
         return None
 
     def run(self):
+        stage = None
         try:
             if self.pipe is None:
                 self.pipe = self._factory()
             self.pipe.frame_shape  # decoded once here, so the UI thread never runs torch
             self.clip_count = len(self.pipe.replay.paths)
+            if self.pipe.settings.decode == "async":  # frames decode on a thread of their own
+                stage = DecodeStage(self._decode, threads=self.pipe.settings.decode_threads)
             self.ready.set()
             while not self._halt.is_set():
+                if not self.commands.empty() and stage is not None:
+                    self._emit_decoded(stage.drain())  # the frames made before an event show before it
                 while not self.commands.empty():
                     self._event(self.commands.get())
                 done = self.finished or (self.max_frames is not None and self.frames >= self.max_frames)
                 if done or (self.paused and not self._step.is_set()):
+                    if stage is not None:
+                        self._emit_decoded(stage.drain())
                     time.sleep(0.005)
                     continue
                 self._step.clear()
@@ -210,18 +219,33 @@ class Worker(threading.Thread):
                     self.busy = (first_frame_cue(self.pipe.settings), t0)
                 latent = self.pipe.generate(*controls)
                 t1 = time.perf_counter()
-                frame = self.pipe.decode(latent).numpy()
-                t2 = time.perf_counter()
-                if self.frames == 0 and (warning := flat_frame_warning(frame)):
-                    print(warning, file=sys.stderr, flush=True)
                 self.frames += 1
-                self.busy = None
-                self._emit(FrameResult(frame, self.frames, (t1 - t0) * 1000, (t2 - t1) * 1000, *controls,
-                                       epoch=self.pipe.cache_epoch, bias=self.pipe.kv_cache_attention_bias,
-                                       ground_truth=self.pipe.ground_truth, kv_bytes=self.pipe.kv_bytes,
-                                       compile_state=self.pipe.runner.compile_state()))
+                made = FrameResult(None, self.frames, (t1 - t0) * 1000, 0.0, *controls, epoch=self.pipe.cache_epoch,
+                                   bias=self.pipe.kv_cache_attention_bias, ground_truth=self.pipe.ground_truth,
+                                   kv_bytes=self.pipe.kv_bytes, compile_state=self.pipe.runner.compile_state())
+                if stage is None:
+                    self._emit_decoded([(made, self._decode(latent))])
+                else:
+                    stage.submit(latent, tag=made)
+                    self._emit_decoded(stage.ready())
         except BaseException as exc:  # surfaced by the event loop
             self.error = exc
+        finally:
+            if stage is not None:
+                stage.close()
+
+    def _decode(self, latent) -> tuple[np.ndarray, float]:
+        t0 = time.perf_counter()
+        frame = self.pipe.decode(latent).numpy()
+        return frame, (time.perf_counter() - t0) * 1000
+
+    def _emit_decoded(self, decoded) -> None:
+        """Hand each decoded frame to the UI thread, in order."""
+        for made, (frame, decode_ms) in decoded:
+            if made.index == 1 and (warning := flat_frame_warning(frame)):
+                print(warning, file=sys.stderr, flush=True)
+            self.busy = None
+            self._emit(dataclasses.replace(made, frame=frame, decode_ms=decode_ms))
 
 
 RECORDINGS = Path("recordings")  # F9 and F12 outputs unless --record-dir says otherwise (git-ignored)

@@ -132,6 +132,9 @@ OPTIONS: tuple[Option, ...] = (
            "AVX512-BF16 or AMX; fp32 on other CPUs, where bf16 matmuls run unvectorised)"),
     Option("seed", _int(0), 0, "seed of the noise generator"),
     Option("threads", _int(0, 1024), 0, "CPU threads for torch (0: the machine's physical cores, shared by TP ranks)"),
+    Option("decode", _choice("sync", "async"), "sync",
+           "async: each frame decodes on a thread beside the generator, which keeps threads - 1 of the threads "
+           "(at least 1); the frames are the same (docs/pipeline_parallel.md)"),
     Option("compile", _compile_mode, "auto", "torch.compile the frame call (auto: eager frames at once while it "
            "compiles in the background, then the compiled call; 1: compile before the first frame; 0: never)"),
     Option("frame_graph", _bool, True, "with compile: each generated frame's model call as one graph of the "
@@ -297,6 +300,7 @@ class Settings:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     threads: int = 0  # CPU threads torch uses (0: not chosen; apps resolve it to the physical cores)
+    decode: str = "sync"  # "async": frames decode on a thread of their own beside the generator
     compile: bool = False  # compile before the first frame (OWL_COMPILE=1)
     compile_background: bool = False  # the apps compile the frame call in the background (OWL_COMPILE=auto)
     frame_graph: bool = True
@@ -354,7 +358,11 @@ class Settings:
             # reference that made a CUDA frame ~10x slower than SDPA (measured on an H100).
             backend = "flex" if device.startswith("cuda") and v["compile"] == "1" else "sdpa"
         dtype = v["dtype"] if v["dtype"] != "auto" else "bf16" if native_bf16(device) else "fp32"
-        return cls(device=device, dtype=_DTYPES[dtype], seed=v["seed"], threads=v["threads"],
+        if v["decode"] == "async" and v["profile_kv"]:
+            raise SettingsError(f"{source('profile_kv')} times each frame's denoise and decode in line, but "
+                                f"{source('decode')} decodes beside the generator; unset one of them",
+                                ("profile_kv", "decode"))
+        return cls(device=device, dtype=_DTYPES[dtype], seed=v["seed"], threads=v["threads"], decode=v["decode"],
                    compile=v["compile"] == "1", compile_background=v["compile"] == "auto", frame_graph=v["frame_graph"],
                    attn_backend=backend, attn_backend_decode="sdpa" if v["attn_sdpa_decode"] else backend,
                    kv_cache=v["kv_cache"], profile_kv=v["profile_kv"],
@@ -366,6 +374,16 @@ class Settings:
                    kv=KVSettings.resolve(v, source, name, v["kv_cache"]))
 
     @property
+    def decode_threads(self) -> int:
+        """torch threads of the decoding thread (0: frames decode in line, on the generator's)."""
+        return 1 if self.decode == "async" else 0
+
+    @property
+    def generator_threads(self) -> int:
+        """torch threads of the thread that makes frames: the rest of ``threads``, at least one."""
+        return max(1, self.threads - self.decode_threads)
+
+    @property
     def compile_mode(self) -> str:
         return "1" if self.compile else "auto" if self.compile_background else "0"
 
@@ -374,7 +392,9 @@ class Settings:
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        return (f"device={self.device} dtype={dtype} seed={self.seed} threads={self.threads or torch.get_num_threads()} compile={self.compile_mode} "
+        return (f"device={self.device} dtype={dtype} seed={self.seed} threads={self.threads or torch.get_num_threads()} "
+                + (f"decode=async({self.generator_threads}+{self.decode_threads}) " if self.decode == "async" else "")
+                + f"compile={self.compile_mode} "
                 + ("frame_graph=0 " if self.compile and not self.frame_graph else "")
                 + f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
                 + (f"[{self.kv.describe()}] " if self.kv_cache != "none" else "")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import diffusers
@@ -18,7 +19,10 @@ def decode_sample(autoencoder: nn.Module, latents: torch.Tensor) -> torch.Tensor
 
 
 class FrameDecoder(nn.Module):
-    """``decode(latents [b,c,h,w]) -> RGB [b,3,H,W] in [-1, 1]`` around any diffusers autoencoder."""
+    """``decode(latents [b,c,h,w]) -> RGB [b,3,H,W] in [-1, 1]`` around any diffusers autoencoder.
+
+    One caller at a time: a decode on the decoding thread and a recompute's re-encode on the
+    generating one take turns (a compiled module is not re-entrant)."""
 
     def __init__(self, autoencoder: nn.Module, latent_channels: int):
         super().__init__()
@@ -26,6 +30,14 @@ class FrameDecoder(nn.Module):
         self.latent_channels = latent_channels
         self._decode = self._decode_sample
         self._frame_shape: tuple[int, int] | None = None
+        self._turn = threading.RLock()
+
+    def __getstate__(self):  # copies and pickles get a lock of their own
+        return {k: v for k, v in self.__dict__.items() if k != "_turn"}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._turn = threading.RLock()
 
     def _decode_sample(self, latents: torch.Tensor) -> torch.Tensor:
         return decode_sample(self.autoencoder, latents)
@@ -45,7 +57,8 @@ class FrameDecoder(nn.Module):
             raise ValueError(f"decoder input has shape {tuple(latents.shape)}; expected "
                              f"[batch, {self.latent_channels}, h, w]")
         p = next(self.autoencoder.parameters())
-        return self._decode(latents.to(p.device, p.dtype))
+        with self._turn:
+            return self._decode(latents.to(p.device, p.dtype))
 
     @torch.no_grad()
     def frame_shape(self, size: int) -> tuple[int, int]:
@@ -57,13 +70,15 @@ class FrameDecoder(nn.Module):
     @torch.no_grad()
     def reencode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents [n, c, h, w] decoded one by one to uint8 frames (what a player sees) and encoded again."""
-        return self.encode_uint8(torch.stack([to_uint8(self.decode(x[None])[0]) for x in latents]))
+        with self._turn:
+            return self.encode_uint8(torch.stack([to_uint8(self.decode(x[None])[0]) for x in latents]))
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """RGB [b,3,H,W] in [-1,1] -> latents (the mean for KL autoencoders)."""
         p = next(self.autoencoder.parameters())
-        enc = self.autoencoder.encode(images.to(p.device, p.dtype))
+        with self._turn:
+            enc = self.autoencoder.encode(images.to(p.device, p.dtype))
         out = enc.latent_dist.mean if hasattr(enc, "latent_dist") else enc.latents
         return out.float()
 

@@ -1,7 +1,7 @@
 """How soon the first frame comes and how soon the compiled frame call takes over, with the
 default OWL_COMPILE=auto, from a cold compile cache and then from the warm one it left.
 
-    python -m scripts.bench_startup [--seconds 300] [--threads N] [--json out.json]
+    python -m scripts.bench_startup [--seconds 300] [--threads N] [--max-fps F] [--json out.json]
 
 Each start is a fresh process (as a user's): it loads the shipped world, starts the background
 compile as the window does, and makes frames, timing the first one (from the weights being
@@ -24,7 +24,7 @@ import time
 from scripts.common import machine
 
 
-def child(seconds: float, checkpoint: str | None) -> dict:
+def child(seconds: float, checkpoint: str | None, max_fps: float | None = None) -> dict:
     import torch
 
     from inference.cores import CoreBudget
@@ -47,6 +47,8 @@ def child(seconds: float, checkpoint: str | None) -> dict:
     while time.perf_counter() - loaded < seconds and len([t for t in stamps if all_in_at and t > all_in_at]) < 21:
         budget.check()
         pipe.decode(pipe.generate(torch.zeros(2), torch.zeros(11)))
+        if max_fps and stamps:  # a capped window waits out the rest of each frame's interval
+            time.sleep(max(0.0, stamps[-1] + 1 / max_fps - (time.perf_counter() - loaded)))
         stamps.append(time.perf_counter() - loaded)
         if compiled_at is None and pipe.runner.compiled == "whole":
             compiled_at = stamps[-1]
@@ -66,12 +68,15 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="OWL_THREADS for the starts (default: unset, as a user's: the thread budget decides, and a "
                         "one-thread graph is built too)")
+    p.add_argument("--max-fps", type=float, default=None,
+                   help="cap the frame rate as the window's --max-fps does (default: as fast as frames come); a "
+                        "capped loop leaves the background compile the rest of its core")
     p.add_argument("--checkpoint", default=None, help="another world's checkpoint folder (default: the shipped world)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.seconds, args.checkpoint)), flush=True)
+        print(json.dumps(child(args.seconds, args.checkpoint, args.max_fps)), flush=True)
         os._exit(0)  # the compile of the other thread counts may still run: abandon it, not unwind it
     rows = []
     with tempfile.TemporaryDirectory() as cache:
@@ -81,12 +86,14 @@ def main(argv=None):
             env["OWL_THREADS"] = str(args.threads)
         for start in ("cold compile cache", "warm compile cache"):
             cmd = [sys.executable, "-m", "scripts.bench_startup", "--child", "--seconds", str(args.seconds)]
+            cmd += ["--max-fps", str(args.max_fps)] if args.max_fps else []
             r = subprocess.run(cmd + (["--checkpoint", args.checkpoint] if args.checkpoint else []),
                                capture_output=True, text=True, env=env)
             if r.returncode:
                 raise SystemExit(f"error: the {start} run failed (exit {r.returncode}): {r.stderr[-800:]}")
             rows.append({"start": start, **json.loads(r.stdout.strip().splitlines()[-1])})
-    print(f"# {machine()}; {args.checkpoint or 'the shipped world'}, OWL_COMPILE=auto")
+    cap = f", at most {args.max_fps:g} FPS" if args.max_fps else ""
+    print(f"# {machine()}; {args.checkpoint or 'the shipped world'}, OWL_COMPILE=auto{cap}")
     print(f"{'start':<20} {'first frame s':>14} {'compiled after s':>17} {'all graphs s':>13} {'FPS compiling':>14} "
           f"{'FPS compiled':>13}")
     for r in rows:

@@ -83,15 +83,19 @@ def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path
     over, every graph in, and the frame rates on both sides of the switch (the tiny world, over
     the ring)."""
     # two layers (a local and a global one): the compile process runs at a low priority beside the
-    # frames and the other tests, and a small graph keeps its cold compile within the time limit
+    # frames and the other tests, and a small graph keeps its cold compile within the time limit;
+    # the frames are capped as a window's are, or their loop takes the compile's core (on a busy
+    # machine a niced process beside three busy ones gets a few per cent of a core)
     config = (REPO / "configs" / "untrained_tiny.yaml").read_text().replace("n_layers: 8", "n_layers: 2")
     assert "n_layers: 2" in config
     (tmp_path / "tiny2.yaml").write_text(config)
     make_checkpoint = [sys.executable, "-m", "scripts.make_untrained_checkpoint", "--config", str(tmp_path / "tiny2.yaml"),
                        "--out", str(tmp_path / "tiny2"), "--clips", "1", "--future", "64"]
     subprocess.run(make_checkpoint, cwd=REPO, check=True, capture_output=True, timeout=time_limit(120))
-    bench("bench_startup", "--checkpoint", tmp_path / "tiny2", "--seconds", 250, "--threads", 1,
-          "--json", tmp_path / "startup.json", env={"OWL_RING_MODE": "inplace"}, quiet_seconds=550)
+    seconds = time_limit(250)
+    bench("bench_startup", "--checkpoint", tmp_path / "tiny2", "--seconds", round(seconds), "--threads", 1,
+          "--max-fps", 30, "--json", tmp_path / "startup.json", env={"OWL_RING_MODE": "inplace"},
+          quiet_seconds=2.2 * seconds)
     rows = json.loads((tmp_path / "startup.json").read_text())["rows"]
     assert [r["start"] for r in rows] == ["cold compile cache", "warm compile cache"]
     for r in rows:

@@ -61,10 +61,11 @@ def test_profile_lines_when_enabled(tmp_path):
     assert len(lines) == 3 and all("step1_ms=" in ln and "decoder_ms=" in ln for ln in lines[1:])
 
 
-def test_ctrl_c_leaves_a_valid_mp4(tmp_path):
+@pytest.mark.parametrize("decode", ["sync", "async"])
+def test_ctrl_c_leaves_a_valid_mp4(tmp_path, decode):
     out = tmp_path / "long.mp4"
     proc = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--headless", "--frames", "2000",
-                             "--out", str(out)], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                             "--out", str(out)], cwd=REPO, env={**ENV, "OWL_DECODE": decode}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = []
     reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)
@@ -83,6 +84,33 @@ def test_ctrl_c_leaves_a_valid_mp4(tmp_path):
     written = int(re.search(r"\((\d+) frames\) - interrupted", stdout).group(1))
     assert 8 <= written < 2000 and count_frames(out) == written
     assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_decoding_beside_the_generator_renders_the_frames_decoded_in_line(tmp_path):
+    """OWL_DECODE=async: the same frames, beside the simulator, across a restart, a bias change
+    and recomputes that re-encode decoded frames while the decoding thread works."""
+    items = load_actions("walk_turn", 14)
+    items[5:5] = [{"event": "restart"}]
+    items[9:9] = [{"event": "bias", "value": -1.0}]
+    write_action_file(tmp_path / "a.jsonl", items)
+    frames = {}
+    for decode in ("sync", "async"):
+        r = run("--headless", "--actions", str(tmp_path / "a.jsonl"), "--beside-simulator", "--out",
+                str(tmp_path / f"{decode}.mp4"), "--save-frames", str(tmp_path / f"{decode}.npy"),
+                env={"OWL_DECODE": decode, "OWL_KV_RECOMPUTE_EVERY": "4", "OWL_KV_RECOMPUTE_ANCHOR": "decoded"})
+        assert r.returncode == 0, r.stderr
+        frames[decode] = np.load(tmp_path / f"{decode}.npy")
+    assert frames["sync"].shape[0] == 14 and np.array_equal(frames["sync"], frames["async"])
+    assert np.array_equal(read_frames(tmp_path / "sync.mp4"), read_frames(tmp_path / "async.mp4"))
+
+
+def test_decode_flag_errors_name_the_flag_and_the_fix(tmp_path):
+    r = run("--headless", "--frames", "2", "--out", str(tmp_path / "x.mp4"), env={"OWL_DECODE": "later"})
+    assert r.returncode == 2 and "OWL_DECODE='later' is malformed; accepted values: sync|async" in r.stderr
+    r = run("--headless", "--frames", "2", "--out", str(tmp_path / "x.mp4"),
+            env={"OWL_DECODE": "async", "OWL_PROFILE_KV": "1"})
+    assert r.returncode == 2 and "OWL_PROFILE_KV='1'" in r.stderr and "OWL_DECODE='async'" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_unwritable_output_fails_before_loading(tmp_path):

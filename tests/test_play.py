@@ -146,6 +146,34 @@ def test_pause_step_and_replay_in_the_window(dummy_video, tmp_path):
     assert rec.parent == tmp_path and 1 <= count_frames(rec) <= game.frames_shown - 1
 
 
+def test_the_window_decoding_beside_the_generator_records_the_frames_decoded_in_line(dummy_video, tmp_path):
+    """OWL_DECODE=async in the window: the recording holds the frames a headless run decoding in
+    line makes from the same actions, a restart and a bias change among them."""
+    from inference.actions import load_actions, write_action_file
+    from inference.causvid_pipeline import CausvidPipeline
+    from inference.play import Game, PlayOptions
+    from owl_wms.config import load_world
+    from owl_wms.loading import SHIPPED_WORLD
+    from owl_wms.settings import Settings
+
+    items = load_actions("random:4", 10)
+    items[3:3] = [{"event": "restart"}]
+    items[7:7] = [{"event": "bias", "value": -0.5}]
+    write_action_file(tmp_path / "in.jsonl", items)
+    settings = Settings.from_config(load_world(SHIPPED_WORLD).inference).replace(decode="async", compile=False,
+                                                                                 compile_background=False)
+    pipe = CausvidPipeline.from_checkpoint(settings=settings, verbose=False)
+    game = Game(pipe, PlayOptions(scale=1, record=tmp_path / "win.mp4", record_dir=tmp_path,
+                                  replay=load_actions(str(tmp_path / "in.jsonl"), None)))
+    assert game.run() == 0 and game.frames_shown == 10
+    r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
+                        str(tmp_path / "in.jsonl"), "--scale", "1", "--out", str(tmp_path / "head.mp4")],
+                       cwd=REPO, env={**NO_OWL, "OWL_COMPILE": "0"}, capture_output=True, text=True,
+                       timeout=time_limit(300))
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(read_frames(tmp_path / "win.mp4"), read_frames(tmp_path / "head.mp4"))
+
+
 def test_ctrl_c_in_the_window_leaves_valid_recording_and_actions(tmp_path):
     import re
     import signal

@@ -228,6 +228,32 @@ def test_events_pause_restart_new_level_and_a_recording_that_downloads(tmp_path)
     assert meta["seed"] == 4 and meta["level"] == 11 and "--world-seed 11" in meta["replay"]
 
 
+def test_decoding_beside_the_model_thread_serves_each_player_the_frames_of_its_run_alone(tmp_path):
+    """OWL_DECODE=async: a step's frames decode and encode on their own thread while the next
+    step is made; each page still gets its session's frames, in order, a restart among them."""
+    with Server("--max-sessions", 2, "--save-actions", tmp_path / "actions", env={**FP32, "OWL_DECODE": "async"}) as server:
+        assert server.health()["decode"] == "async"
+        players = [Player(server.ws_url, seed=30 + i, format="png") for i in range(2)]
+        for f in range(16):
+            for i, p in enumerate(players):
+                p.controls(mouse=(3.0 * i, 0.0), buttons=(1,) + (0,) * 10)
+                if i == 1 and f == 7:
+                    p.send({"type": "event", "name": "restart"})
+            for p in players:
+                p.next_frame()
+        for p in players:
+            p.close()
+    for i, p in enumerate(players):
+        index = [f[0] for f in p.frames]
+        assert index == sorted(index) and len(set(index)) == len(index)  # in order, none twice
+        assert len({f[2] for f in p.frames}) == 1 + i  # the restart started a new cache epoch
+        actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
+        made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
+        want = alone(tmp_path, 30 + i, str(actions), made, f"p{i}")
+        worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
+        assert worst <= FRAME_TOLERANCE, (i, worst)
+
+
 def test_the_servers_flags_are_checked_with_the_fix(tmp_path):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -28,6 +28,7 @@ from PIL import Image
 
 from owl_wms.controls import N_BUTTONS
 from owl_wms.engine import CausvidPipeline
+from owl_wms.engine.decode_stage import DecodeStage
 from owl_wms.engine.sessions import Sessions, batch_rows
 from owl_wms.maze.worlds import load_level
 
@@ -140,7 +141,8 @@ class Scheduler(threading.Thread):
         self.measured_with = None  # the frame call's state when the capacity was measured ("eager", "compiled" ...)
         self.frames_made, self.last_step_s = 0, 0.0
         self.stats: dict = {}  # for /healthz, replaced whole after every change
-        self.frame_size: list[int] = []  # (H, W) of frames, found on this thread: torch runs nowhere else
+        self.frame_size: list[int] = []  # (H, W) of frames, found on this thread (torch runs here and in the stage)
+        self.stage: DecodeStage | None = None  # OWL_DECODE=async: the thread that decodes and encodes frames
 
     # -- called from the app's thread ----------------------------------------------------------
     def submit(self, fn, *args) -> concurrent.futures.Future:
@@ -181,6 +183,8 @@ class Scheduler(threading.Thread):
             # (on the CPU, torch ops on a second thread would slow this one's about twice, measured)
             self.frame_size = list(self.sessions.runner.decoder.frame_shape(self.sessions.world.model.sample_size))
             self._measure_capacity()  # first, on a quiet machine
+            if self.sessions.settings.decode == "async":  # a step's frames decode while the next is made
+                self.stage = DecodeStage(self._decode_and_encode, threads=self.sessions.settings.decode_threads)
             self._publish()
             if self.on_ready is not None:  # (a background compile starts with the first player, or soon)
                 self.on_ready(self)
@@ -195,6 +199,8 @@ class Scheduler(threading.Thread):
             traceback.print_exc(file=sys.stderr)
             self.error = exc
         finally:
+            if self.stage is not None:
+                self.stage.close()
             for player in list(self.players):
                 self._leave(player)
             self._run_tasks(refuse=RuntimeError("the server is stopping"))
@@ -205,11 +211,15 @@ class Scheduler(threading.Thread):
             if not self.players and self.measured_with != "compiled" == self.sessions.runner.compile_state():
                 self._measure_capacity()  # every compiled graph is in: measured again while nobody plays
                 self._publish()
+            if self.stage is not None and (not self.tasks.empty() or any(p.events for p in self.players)):
+                self._deliver_decoded(self.stage.drain())  # frames made before a join, leave or event go first
             self._run_tasks()
             for player in list(self.players):
                 self._apply_events(player)
             stepping = [p for p in self.players if not p.paused]
             if not stepping:
+                if self.stage is not None:
+                    self._deliver_decoded(self.stage.drain())
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
@@ -304,7 +314,8 @@ class Scheduler(threading.Thread):
                       "paused": sum(p.paused for p in self.players),
                       "step_ms": {str(n): round(s * 1000, 2) for n, s in sorted(self.step_s.items())},
                       "last_step_ms": round(self.last_step_s * 1000, 2), "frames": self.frames_made,
-                      "batched": self.opt.batched, "measured_with": self.measured_with}
+                      "batched": self.opt.batched, "measured_with": self.measured_with,
+                      "decode": self.sessions.settings.decode}
 
     def _join(self, hello: Hello, send) -> Player:
         if len(self.players) >= self.capacity:
@@ -411,9 +422,15 @@ class Scheduler(threading.Thread):
 
     def _step(self, stepping: list[Player]) -> None:
         taken = {p: p.take_controls() for p in stepping}
+        controls = {p.pipe: (mouse, buttons) for p, (mouse, buttons, _) in taken.items()}
         t0 = time.perf_counter()
         try:
-            frames = self._frames({p.pipe: (mouse, buttons) for p, (mouse, buttons, _) in taken.items()})
+            if self.stage is None:
+                frames = self._frames(controls)
+            else:  # OWL_DECODE=async: make this step's latents; the last step's frames decode meanwhile
+                latents = self._latents(controls)
+                self.stage.submit(([latents[p.pipe] for p in stepping], [p.format for p in stepping]),
+                                  tag=(stepping, taken, {p: p.pipe.cache_epoch for p in stepping}))
         except Exception as exc:  # the step as a whole failed: its players end, the server goes on
             traceback.print_exc(file=sys.stderr)
             for player in stepping:
@@ -429,9 +446,36 @@ class Scheduler(threading.Thread):
         self.step_s[size] = per if size not in self.step_s else 0.8 * self.step_s[size] + 0.2 * per
         self.last_step_s, self.frames_made = seconds, self.frames_made + len(stepping)
         self._update_capacity()
-        for player in stepping:
+        if self.stage is None:
+            epochs = {p: p.pipe.cache_epoch for p in stepping}
+            images = [encode_image(frames[p.pipe], p.format, self.opt.quality) for p in stepping]
+            self._deliver(stepping, taken, epochs, [frames[p.pipe] for p in stepping], images)
+        else:
+            self._deliver_decoded(self.stage.ready())
+        self._publish()
+
+    def _latents(self, controls: dict) -> dict:
+        """{pipe: latent} of one step, not yet decoded."""
+        if self.opt.batched:
+            return self.sessions.step(controls)
+        return {pipe: pipe.generate(*c) for pipe, c in controls.items()}
+
+    def _decode_and_encode(self, step: tuple[list, list[str]]) -> tuple:
+        """On the decoding thread: (frames, images) of a step's (latents, each page's format)."""
+        latents, formats = step
+        frames = self.sessions.decode(latents).numpy()
+        return frames, [encode_image(f, fmt, self.opt.quality) for f, fmt in zip(frames, formats)]
+
+    def _deliver_decoded(self, decoded) -> None:
+        for (stepping, taken, epochs), (frames, images) in decoded:
+            self._deliver(stepping, taken, epochs, frames, images)
+
+    def _deliver(self, stepping: list[Player], taken: dict, epochs: dict, frames, images) -> None:
+        """Each player's frame of a step: its action log, its recording, its page."""
+        for player, frame, image in zip(stepping, frames, images):
+            if player not in self.players:  # left while its frame decoded
+                continue
             mouse, buttons, seq = taken[player]
-            frame = frames[player.pipe]
             player.frames += 1
             self._log_action(player, (mouse, buttons))
             if player.recorder is not None:
@@ -442,6 +486,4 @@ class Scheduler(threading.Thread):
                 except (OSError, ValueError) as exc:
                     player.recorder = None
                     player.send({"type": "error", "code": "record_failed", "message": str(exc)})
-            image = encode_image(frame, player.format, self.opt.quality)
-            player.send(frame_message(image, player.frames, seq, player.pipe.cache_epoch))
-        self._publish()
+            player.send(frame_message(image, player.frames, seq, epochs[player]))

@@ -1,0 +1,226 @@
+"""End-to-end frames a second and per-frame latency of the synchronous loop (generate, then
+decode) against the decoder on a thread beside the generator (owl_wms/engine/decode_stage.py),
+with the same total cores, side by side in one process.
+
+    python -m scripts.bench_pp [--frames 48] [--rounds 3] [--threads 2] [--compile 1] [--prod-layers 2] [--json out.json]
+
+Per model (the shipped world; a production-shaped GameRFT, d_model 1536, 24 heads, 64 tokens a
+frame, ``--prod-layers`` of its 16 layers, random weights, with a random AutoencoderTiny decoder
+of 128 latent channels whose width ``--prod-decoder-width`` sets the decoder's cost), the two
+loops take turns, ``--rounds`` times ``--frames`` frames each from the same history; each frame is
+a walking step, decoded to uint8 and taken as numpy (what an app shows or writes). Reported:
+frames a second over the whole run (first frame to last frame out), the median latency from a
+frame's controls to its decoded frame, the decode's share of the synchronous frame, how much of
+the decode the overlap hid (1 - (async frame time - generate time) / decode time), and whether
+the two loops gave the same frames bit for bit.
+Synchronous: torch runs ``--threads`` threads. Asynchronous: the generator ``--threads`` - 1 and
+the decoding thread 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from .common import SHIPPED, machine, require_at_least
+
+WALK = ([1.0, 0.0], [1] + [0] * 10)
+
+
+def production_world(layers: int, width: int):
+    """A production-shaped model with random weights and a random decoder of ``width`` channels."""
+    from diffusers import AutoencoderTiny
+
+    from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
+    from owl_wms.model import GameRFT
+    from owl_wms.vae import FrameDecoder
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_mapping({**PRODUCTION, "n_layers": layers})
+    world = WorldConfig(model=cfg, vae_scale=1.0, pipeline=PipelineConfig(window_frames=60), decoder=DecoderConfig(),
+                        name="production-shaped-random")
+    vae = AutoencoderTiny(latent_channels=cfg.channels, encoder_block_out_channels=(8, 8, 8, 8),
+                          decoder_block_out_channels=(width,) * 4)
+    return world, GameRFT(cfg).eval(), FrameDecoder(vae.eval(), cfg.channels)
+
+
+def shipped_world():
+    from owl_wms.config import load_world
+    from owl_wms.engine.build import load_parts
+
+    world, model, decoder, _ = load_parts(load_world(SHIPPED))
+    return world, model, decoder
+
+
+LOOPS = {  # name -> (generator threads, decoding thread's threads or None: decoded in line), of --threads T
+    "synchronous, T threads": lambda t: (t, None),
+    "synchronous, 1 thread": lambda t: (1, None),
+    "asynchronous decode, T-1 + 1 threads": lambda t: (max(1, t - 1), 1),
+    "asynchronous decode, T + 1 threads": lambda t: (t, 1),
+}
+
+
+def load(model_name: str, args):
+    """(world, model, decoder) of --child-model."""
+    return shipped_world() if model_name == "shipped" else production_world(args.prod_layers, args.prod_decoder_width)
+
+
+def child(args) -> None:
+    """One loop on one model in this process: a line "run" on stdin makes --frames frames from
+    the history and prints a JSON line of timings; the parent starts one child per loop and
+    has them take turns, so each keeps its own thread setup for the whole run."""
+    import hashlib
+
+    from owl_wms.controls import no_controls
+    from owl_wms.engine import CausvidPipeline
+    from owl_wms.engine.decode_stage import DecodeStage
+    from owl_wms.settings import Settings
+
+    gen_threads, dec_threads = LOOPS[args.child_loop](args.threads)
+    torch.set_num_threads(gen_threads)
+    world, model, decoder = load(args.child_model, args)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    settings = Settings.from_config(world.inference).replace(device="cpu", dtype=dtype, compile=bool(args.compile),
+                                                             compile_background=False, threads=gen_threads)
+    pipe = CausvidPipeline(model, decoder, world, settings, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    cfg, window = world.model, world.pipeline.window_frames
+    history = (torch.randn(window, cfg.channels, cfg.sample_size, cfg.sample_size, generator=g), *no_controls(window))
+    # what an app shows or writes, and when it was ready (a window's UI thread shows it then)
+    show = lambda latent: (pipe.decode(latent).numpy(), time.perf_counter())  # noqa: E731
+    stage = DecodeStage(show, threads=dec_threads) if dec_threads else None
+    print(json.dumps({"ready": True}), flush=True)
+    for line in iter(sys.stdin.readline, ""):
+        frames = int(line.split()[1])
+        pipe.hard_cut(*history)
+        digest, latency, gen, dec, asked = hashlib.sha256(), [], [], [], {}
+
+        def out(tag, shown):
+            frame, ready_at = shown
+            latency.append(ready_at - asked[tag])
+            digest.update(frame.tobytes())
+
+        start = time.perf_counter()
+        for i in range(frames):
+            t0 = asked[i] = time.perf_counter()
+            latent = pipe.generate(*WALK)
+            t1 = time.perf_counter()
+            gen.append(t1 - t0)
+            if stage is None:
+                out(i, show(latent))
+                dec.append(time.perf_counter() - t1)
+                continue
+            stage.submit(latent, tag=i)
+            for tag, frame in stage.ready():
+                out(tag, frame)
+        for tag, frame in stage.drain() if stage is not None else ():
+            out(tag, frame)
+        print(json.dumps({"seconds": time.perf_counter() - start, "latency": latency, "generate": gen,
+                          "decode": dec, "digest": digest.hexdigest()}), flush=True)
+    if stage is not None:
+        stage.close()
+
+
+def bench_model(model_name: str, args) -> dict:
+    label = "the shipped world" if model_name == "shipped" else \
+        f"production-shaped, {args.prod_layers} of 16 layers, decoder width {args.prod_decoder_width}"
+    print(f"\n{label}: starting one process per loop (each compiles) ...", flush=True)
+    children = {}
+    for name in LOOPS:
+        cmd = [sys.executable, "-m", "scripts.bench_pp", "--child-model", model_name, "--child-loop", name,
+               *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k in ("threads", "compile", "dtype", "prod_layers", "prod_decoder_width"))]
+        children[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                          env={**os.environ, "OMP_NUM_THREADS": str(LOOPS[name](args.threads)[0])})
+    runs = {name: [] for name in LOOPS}
+    try:
+        for name, proc in children.items():
+            if not json.loads(proc.stdout.readline() or "{}").get("ready"):
+                raise SystemExit(f"error: the {name!r} process failed to start (its error is above)")
+        for r in range(args.warmup_rounds + args.rounds):  # the loops take turns, round by round
+            for name, proc in children.items():
+                proc.stdin.write(f"run {args.frames}\n")
+                proc.stdin.flush()
+                result = json.loads(proc.stdout.readline() or "null")
+                if result is None:
+                    raise SystemExit(f"error: the {name!r} process stopped (its error is above)")
+                if r >= args.warmup_rounds:
+                    runs[name].append(result)
+    finally:
+        for proc in children.values():
+            proc.stdin.close()
+            proc.wait(timeout=60)
+    digests = {name: {r["digest"] for r in rs} for name, rs in runs.items()}
+    same = len(set().union(*digests.values())) == 1
+    rows = []
+    for name, rs in runs.items():
+        fps = statistics.median(args.frames / r["seconds"] for r in rs)
+        decode = [t for r in rs for t in r["decode"]]
+        gen_threads, dec_threads = LOOPS[name](args.threads)
+        rows.append({"model": label, "loop": name.replace("T-1", str(args.threads - 1)).replace("T", str(args.threads)),
+                     "generator_threads": gen_threads, "decode_threads": dec_threads, "fps": fps,
+                     "frame_ms": 1000 / fps,
+                     "generate_ms": 1000 * statistics.median(t for r in rs for t in r["generate"]),
+                     "decode_ms": 1000 * statistics.median(decode) if decode else None,
+                     "latency_ms": 1000 * statistics.median(t for r in rs for t in r["latency"])})
+    sync_default, sync_best = rows[0], max(rows[:2], key=lambda r: r["fps"])
+    for r in rows:
+        r["x_sync_default"] = r["fps"] / sync_default["fps"]
+        r["x_sync_best"] = r["fps"] / sync_best["fps"]
+        if r["decode_ms"] is not None:
+            r["decode_share"] = r["decode_ms"] / r["frame_ms"]
+    async_row = rows[2]
+    # the decode work the overlap hid: what the async frame took beyond generating, against the
+    # best synchronous loop's decode time
+    async_row["decode_hidden"] = 1 - max(0.0, async_row["frame_ms"] - async_row["generate_ms"]) / sync_best["decode_ms"]
+    print(f"{'loop':<40} {'FPS':>7} {'frame ms':>9} {'generate ms':>12} {'decode ms':>10} {'latency ms':>11} "
+          f"{'decode share':>13} {'x sync':>7} {'x best sync':>12} {'decode hidden':>14}")
+    for r in rows:
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        print(f"{r['loop']:<40} {r['fps']:>7.1f} {r['frame_ms']:>9.2f} {r['generate_ms']:>12.2f} "
+              f"{fmt(r['decode_ms'], '>10.2f')} {r['latency_ms']:>11.2f} "
+              f"{fmt(r.get('decode_share') and 100 * r['decode_share'], '>12.0f')}{'%' if 'decode_share' in r else ' '} "
+              f"{r['x_sync_default']:>7.2f} {r['x_sync_best']:>12.2f} "
+              f"{fmt(r.get('decode_hidden') and 100 * r['decode_hidden'], '>13.0f')}{'%' if 'decode_hidden' in r else ' '}")
+    print(f"every loop gave the same frames bit for bit: {'yes' if same else 'NO'}")
+    return {"label": label, "rows": rows, "same_frames": same}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, default=48, help="frames per loop and round")
+    p.add_argument("--rounds", type=int, default=3, help="turns each loop takes")
+    p.add_argument("--threads", type=int, default=2, help="total CPU threads (the async loop: threads - 1 + 1)")
+    p.add_argument("--compile", type=int, choices=(0, 1), default=1, help="compile the frame call and the decoder")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--prod-layers", type=int, default=2, help="layers of the production-shaped model (0: skip it)")
+    p.add_argument("--prod-decoder-width", type=int, default=96, help="channels of its random decoder's blocks")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and not counted")
+    p.add_argument("--json", default=None)
+    p.add_argument("--child-model", choices=("shipped", "production"), help=argparse.SUPPRESS)
+    p.add_argument("--child-loop", choices=tuple(LOOPS), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child_loop:
+        return child(args)
+    require_at_least(("--frames", args.frames, 2), ("--rounds", args.rounds, 1), ("--threads", args.threads, 2),
+                     ("--prod-layers", args.prod_layers, 0), ("--prod-decoder-width", args.prod_decoder_width, 1))
+    if args.prod_layers > 16:
+        raise SystemExit(f"error: --prod-layers {args.prod_layers}: the production model has 16 layers")
+    torch.set_num_threads(args.threads)
+    print(f"# {machine()}; {args.dtype}, compile={args.compile}, {args.frames} frames x {args.rounds} rounds per loop")
+    report = {"machine": machine(), "args": vars(args), "models": [bench_model("shipped", args)]}
+    if args.prod_layers:
+        report["models"].append(bench_model("production", args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
