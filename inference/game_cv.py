@@ -83,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel ranks (heads and MLP split across processes; launch with torchrun "
                         "--nproc-per-node N)")
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2),
+                   help="2: two pipeline stages, rank 0 decoding and writing while rank 1 generates (headless; "
+                        "launch with torchrun --nproc-per-node 2)")
     play = p.add_argument_group("play (window) options")
     play.add_argument("--target-fps", type=float, default=60.0, help="window refresh rate (frame pacing)")
     play.add_argument("--smooth", action="store_true", help="smooth scaling instead of integer (nearest)")
@@ -115,8 +118,8 @@ def run_settings(args) -> tuple[WorldConfig, Settings, CoreBudget]:
     other processes leave free (one process; TP ranks share the cores by count)."""
     world = load_world(args.checkpoint)
     chosen = resolve_settings(world.inference)
-    settings = with_threads(chosen, args.tp)
-    budget = CoreBudget(settings.generator_threads, adaptive=chosen.threads == 0 and args.tp == 1
+    settings = with_threads(chosen, args.tp * args.pp)
+    budget = CoreBudget(settings.generator_threads, adaptive=chosen.threads == 0 and args.tp * args.pp == 1
                         and not os.environ.get("OMP_NUM_THREADS"))
     return world, settings.replace(seed=args.seed) if args.seed is not None else settings, budget
 
@@ -150,8 +153,9 @@ def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelCon
     if tp is None or tp.is_leader:  # start-up takes seconds: say so at once
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
-    pipe = CausvidPipeline.from_checkpoint(world, args.ckpt, settings=settings, clip=clip,
-                                           ground_truth=args.ground_truth, tp=tp, weights=args.weights)
+    stages = getattr(args, "pp", 1) == 2
+    pipe = CausvidPipeline.from_checkpoint(world, args.ckpt, settings=settings, clip=clip, ground_truth=args.ground_truth,
+                                           tp=None if stages else tp, pp=tp if stages else None, weights=args.weights)
     check_simulator(pipe.world)
     if tp is not None and not tp.is_leader:
         return pipe
@@ -187,6 +191,12 @@ def build_sessions(args, world: WorldConfig, settings: Settings, budget: CoreBud
 
 
 def launch_tp(args, settings: Settings) -> ParallelContext | None:
+    if args.pp == 2:
+        if args.tp > 1:
+            raise TPError("--pp 2 runs one generator rank beside rank 0; tensor parallelism inside it (--tp) is "
+                          "not built yet: drop --tp")
+        return ParallelContext.launch(2, settings.device, settings.tp_timeout_s, settings.tp_check_every,
+                                      flag="--pp 2")
     if args.tp == 1:
         return None
     return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every,
@@ -216,7 +226,7 @@ def main(argv=None) -> int:
     try:
         world, settings, budget = run_settings(args)  # once: the config is read and the threads set here
         if args.sessions > 1:
-            for flag, clash in (("--headless", not args.headless), ("--tp", args.tp > 1),
+            for flag, clash in (("--headless", not args.headless), ("--tp", args.tp > 1), ("--pp", args.pp > 1),
                                 ("--beside-simulator", args.beside_simulator)):
                 if clash:
                     raise ValueError(f"--sessions {args.sessions} renders headless rollouts of one process without "
@@ -224,7 +234,8 @@ def main(argv=None) -> int:
             return run_sessions(args, lambda args: build_sessions(args, world, settings, budget), budget)
         tp = launch_tp(args, settings)
         if tp is not None and not args.headless:
-            raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
+            raise TPError(f"{'--pp' if args.pp > 1 else '--tp'} runs headless only (the window belongs to one "
+                          "process); add --headless")
         if args.beside_simulator and not args.headless:
             raise ValueError("--beside-simulator renders to the video only; add --headless")
         if not args.headless:

@@ -130,7 +130,7 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
         pipe = build(args, tp)
         end_startup()
-        pipe.tp.follow()
+        (pipe.stages or pipe.tp).follow()
         return 0
     items = load_actions(args.actions, args.frames, seed=args.seed or 0)
     frames_path = check_output_path(args.save_frames, suffix=".npy", flag="--save-frames") if args.save_frames else None
@@ -156,8 +156,11 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
         pipe = build(args, tp)  # a Ctrl-C while it loads ends the run at once: nothing is written yet
         pipe.log = tqdm.write  # diagnostics above the progress bar, never on its line
         beside = SimulatorBeside(pipe) if args.beside_simulator else None
-        if pipe.settings.decode == "async":
-            stage = DecodeStage(lambda latent: pipe.decode(latent).numpy(), threads=pipe.settings.decode_threads)
+        stages = pipe.stages  # two stages: rank 1 makes the frames, this rank decodes them beside its waiting
+        if pipe.settings.decode == "async" or stages is not None:
+            stage = DecodeStage(lambda latent: pipe.decode(latent).numpy(),
+                                threads=pipe.settings.threads if stages is not None else pipe.settings.decode_threads)
+        sims, requested = {}, 0  # frame number -> the simulator's view beside it, until the frame is decoded
         frames = sum(not is_event(x) for x in items)
         require_space(output_estimates(args, pipe.frame_shape, frames, beside is not None))
         with StopOnSigint() as stop:
@@ -172,6 +175,9 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
                 if is_event(item):
                     if (cue := event_cue(item)) is not None:
                         bar.set_postfix_str(cue)  # on the bar while it runs
+                    if stages is not None:  # the script asked for the frames in flight: they come first
+                        for n, latent in stages.drain():
+                            stage.submit(latent, tag=sims.pop(n))
                     apply_event(pipe, item)
                     bar.set_postfix_str("")
                     if beside is not None:
@@ -186,12 +192,21 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
                     continue
                 # OWL_DECODE=async: this frame decodes while the next one is made
                 last_out = last_out or time.perf_counter()
-                latent = pipe.generate(*item)
-                stage.submit(latent, tag=beside.step(pipe.last_controls) if beside is not None else None)
+                if stages is None:
+                    latent = pipe.generate(*item)
+                    stage.submit(latent, tag=beside.step(pipe.last_controls) if beside is not None else None)
+                else:
+                    n = requested = requested + 1
+                    back = stages.request(*item, tag=n)  # frame n stays in flight: it was just sent
+                    sims[n] = beside.step(pipe.last_controls) if beside is not None else None
+                    for k, latent in back:
+                        stage.submit(latent, tag=sims.pop(k))
                 for real, frame in stage.ready():
                     frame_seconds.append(time.perf_counter() - last_out)  # from the frame before
                     last_out = time.perf_counter()
                     show(frame, real)
+            for n, latent in stages.drain() if stages is not None else ():
+                stage.submit(latent, tag=sims.pop(n))
             for real, frame in stage.drain() if stage is not None else ():
                 frame_seconds.append(time.perf_counter() - last_out)
                 last_out = time.perf_counter()

@@ -44,7 +44,10 @@ ERROR_KEY = "owl/tp/error"
 
 
 class TPError(RuntimeError):
-    """Tensor-parallel ranks disagree or one failed; the message names the rank and the cause."""
+    """Tensor-parallel ranks disagree or one failed; the message names the rank and the cause.
+    ``everywhere``: every rank raised it (a vote or a check), so no rank need be told."""
+
+    everywhere = True
 
 
 def is_collective_error(exc: BaseException) -> bool:
@@ -119,21 +122,23 @@ class ParallelContext:
 
     @classmethod
     def launch(cls, tp: int, device: str, timeout_s: float, check_every: int,
-               reduce: str = "exact") -> "ParallelContext":
-        """Join the process group torchrun set up; its size must be ``tp``."""
+               reduce: str = "exact", flag: str | None = None) -> "ParallelContext":
+        """Join the process group torchrun set up; its size must be ``tp`` (``flag``: how the
+        app's option asking for that many ranks is spelt, default ``--tp N``)."""
+        flag = flag or f"--tp {tp}"
         if dist.is_initialized():
             raise TPError("torch.distributed is already initialised in this process")
         backend = "nccl" if device.startswith("cuda") else "gloo"
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except ValueError as exc:  # env:// without torchrun's variables
-            raise TPError(f"--tp {tp} needs {tp} processes started by torchrun: run "
-                          f"'torchrun --nproc-per-node {tp} -m inference.game_cv --headless --tp {tp} ...' "
+            raise TPError(f"{flag} needs {tp} processes started by torchrun: run "
+                          f"'torchrun --nproc-per-node {tp} -m inference.game_cv --headless {flag} ...' "
                           f"({exc})") from None
         world = dist.get_world_size()
         if world != tp:
             dist.destroy_process_group()
-            raise TPError(f"--tp {tp} but torchrun started {world} processes; use --nproc-per-node {tp}")
+            raise TPError(f"{flag} but torchrun started {world} processes; use --nproc-per-node {tp}")
         if device.startswith("cuda"):
             torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
         return cls(dist.get_rank(), world, timeout_s, check_every, reduce_fp32=backend == "gloo", reduce=reduce)
@@ -255,10 +260,11 @@ class ParallelContext:
     def fail(self, exc: BaseException, message: str | None = None) -> None:
         """This rank raised: publish the error (``message``: its text as the app words it) and drop
         out of the group so peers stop waiting."""
-        if isinstance(exc, TPError) or not dist.is_initialized():
+        if (isinstance(exc, TPError) and exc.everywhere) or not dist.is_initialized():
             return  # every rank raised it already (a vote or a check)
         try:
-            self.store.set(ERROR_KEY, f"rank {self.rank}: {type(exc).__name__}: {message or exc}")
+            if not self.store.check([ERROR_KEY]):  # the first rank to fail says why; the others were told
+                self.store.set(ERROR_KEY, f"rank {self.rank}: {type(exc).__name__}: {message or exc}")
             dist.destroy_process_group()
             time.sleep(1.0)  # let peers read the store before torchrun stops the job
         except Exception:  # noqa: BLE001 - best effort on the way out

@@ -26,12 +26,13 @@ def load_parts(checkpoint=None, ckpt_path=None, weights: str | None = None, deco
 
 
 def load_pipeline(cls, checkpoint=None, ckpt_path=None, settings: Settings | None = None, clip=0,
-                  ground_truth: bool = False, verbose: bool = True, tp=None, weights: str | None = None):
+                  ground_truth: bool = False, verbose: bool = True, tp=None, weights: str | None = None, pp=None):
     """A ``cls`` (CausvidPipeline) of a checkpoint (``load_parts``), from clip ``clip`` (None: no
     history yet). Under tensor parallelism only rank 0 loads the decoder and a clip."""
-    leader = tp is None or tp.is_leader
+    leader = (tp is None or tp.is_leader) and (pp is None or pp.is_leader)
     world, model, decoder, described = load_parts(checkpoint, ckpt_path, weights, leader)
-    pipe = cls(model, decoder, world, settings, ground_truth=ground_truth, verbose=verbose, tp=tp, weights=described)
+    pipe = cls(model, decoder, world, settings, ground_truth=ground_truth, verbose=verbose, tp=tp, weights=described,
+               pp=pp)
     if clip is not None and leader:
         pipe.load_clip(clip)
     return pipe

@@ -101,6 +101,7 @@ class Lifecycle:
         self.call_id = 0  # plans made (the next plan's id)
         self.frame_index = 0  # frames added to the history this epoch (generated or observed)
         self.since_anchor = 0  # frames committed since the last cut or recompute
+        self.cached_frames = 0  # frames the cache holds since its last reset (its offset, in frames)
         self.model_calls = 0  # model calls executed (counted by the pipeline)
         self.event = "none"  # the last executed event
 
@@ -175,12 +176,16 @@ class Lifecycle:
             self.epoch, self.frame_index, self.since_anchor, self.phase = plan.epoch, 0, 0, Phase.RESET
         if plan.event == "recompute":
             self.since_anchor = 0
+        if plan.reset:
+            self.cached_frames = plan.history.shape[0]
         if plan.event == "observe":
             self.frame_index += 1
             self.since_anchor += 1
+            self.cached_frames += 1
         if plan.generates:
             self.frame_index += plan.commit
             self.since_anchor += plan.commit
+            self.cached_frames += plan.commit
             self.phase = Phase.STEADY
 
     def finish(self, plan: StepPlan, calls: int) -> None:
@@ -194,17 +199,20 @@ class Lifecycle:
 
     def scalars(self) -> list[float]:
         """What every TP rank must agree on (compared by the periodic all-gather)."""
-        return [self.epoch, self.call_id, self.frame_index, self.since_anchor, self.model_calls, self.bias]
+        return [self.epoch, self.call_id, self.frame_index, self.since_anchor, self.model_calls, self.bias,
+                self.cached_frames]
 
-    SCALAR_NAMES = ("epoch", "call_id", "frame", "since_anchor", "model_calls", "bias")
+    SCALAR_NAMES = ("epoch", "call_id", "frame", "since_anchor", "model_calls", "bias", "cached_frames")
 
     def state(self) -> dict:
         return {"phase": self.phase.value, "epoch": self.epoch, "call_id": self.call_id,
                 "frame_index": self.frame_index, "since_anchor": self.since_anchor,
-                "model_calls": self.model_calls, "bias": self.bias, "event": self.event}
+                "model_calls": self.model_calls, "bias": self.bias, "event": self.event,
+                "cached_frames": self.cached_frames}
 
     def load_state(self, state: dict) -> None:
         self.phase = Phase(state["phase"])
         for key in ("epoch", "call_id", "frame_index", "since_anchor", "model_calls"):
             setattr(self, key, int(state[key]))
         self.bias, self.event = float(state["bias"]), state["event"]
+        self.cached_frames = int(state.get("cached_frames", 0))  # states saved before it was counted

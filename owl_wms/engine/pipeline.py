@@ -14,7 +14,7 @@ import torch
 from ..clips import Clip
 from ..config import WorldConfig
 from ..controls import N_BUTTONS, to_uint8
-from ..parallel import ParallelContext
+from ..parallel import ParallelContext, digest, fingerprint
 from ..settings import Settings
 from ..vae import FrameDecoder
 from . import snapshot
@@ -24,20 +24,24 @@ from .nocache import NoCacheHistory
 from .planner import FramePlanner
 from .profiler import KVProfiler, NoProfiler
 from .runner import ModelRunner
+from .stages import FirstStage, Mesh
 from .tensor_parallel import TensorParallelSteps
 
 
 class CausvidPipeline:
     def __init__(self, model, decoder: FrameDecoder | None, world: WorldConfig, settings: Settings | None = None,
                  ground_truth: bool = False, verbose: bool = True, tp: ParallelContext | None = None,
-                 weights: str | None = None, runner: ModelRunner | None = None, cache=None):
-        """``tp``: this rank's tensor-parallel context; ``weights``: what was loaded (for the start-up
-        line); ``runner``, ``cache``: model calls shared with other sessions, this session's cache row."""
+                 weights: str | None = None, runner: ModelRunner | None = None, cache=None,
+                 pp: ParallelContext | None = None):
+        """``tp``: this rank's tensor-parallel context; ``pp``: this rank's place in two pipeline
+        stages (rank 0 plans and decodes, rank 1 generates: stages.py); ``weights``: what was loaded
+        (for the start-up line); ``runner``, ``cache``: model calls shared with other sessions, this
+        session's cache row."""
         self.world, self.cfg, self.weights = world, world.model, weights
         self.settings = s = settings or Settings.from_config(world.inference)
         self.window, self.alpha, self.vae_scale = world.pipeline.window_frames, world.pipeline.history_alpha, world.vae_scale
         n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
-        self.verbose, self.log = verbose and (tp is None or tp.is_leader), print  # an app may redirect log
+        self.verbose, self.log = verbose and (tp is None or tp.is_leader) and (pp is None or pp.is_leader), print
         self.tp = TensorParallelSteps(self, tp, model) if tp is not None else None  # shards the model
         cache_cfg = tp.local_config(self.cfg) if tp is not None else self.cfg  # a rank's cache: its heads
         self.runner = runner or ModelRunner(model, decoder, world, s, cache_cfg, tp)
@@ -51,6 +55,10 @@ class CausvidPipeline:
         profile = s.profile_kv and (tp is None or tp.is_leader)  # rank 0's comm time includes waiting
         self.profiler = KVProfiler.attach(self, tp) if profile else NoProfiler()
         self.last_velocity = self._guard_said = None  # the last step's prediction (A/B runs); the guard's report
+        self.stages = None
+        if pp is not None:  # both stages must have been started alike, with the same weights
+            pp.agree(digest(s, world, fingerprint(model)))
+            self.stages = FirstStage(self, pp) if pp.is_leader else Mesh(self, pp)
         if self.verbose:
             self.log(startup_text(self, n_params))
 
@@ -138,7 +146,9 @@ class CausvidPipeline:
 
     def _run(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor | None]:
         """Execute ``plan`` here, or in lockstep with every tensor-parallel rank."""
-        return self.tp.run(plan) if self.tp is not None else (plan, self.execute(plan))
+        if self.tp is not None:
+            return self.tp.run(plan)
+        return self.stages.run(plan) if self.stages is not None else (plan, self.execute(plan))
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -196,5 +206,7 @@ class CausvidPipeline:
     get_state, load_state, save_state = snapshot.get_state, snapshot.load_state, snapshot.save_state
 
     def close(self):
-        """Rank 0 of a TP run: the other ranks stop (after a final vote and check)."""
+        """Rank 0 of a TP or two-stage run: the other ranks stop (after a final check)."""
+        if isinstance(self.stages, FirstStage):
+            return self.stages.stop()
         return self.tp.stop() if self.tp is not None else None

@@ -34,6 +34,9 @@ def get_state(pipe) -> dict:
     if pipe.tp is not None:
         raise RuntimeError("snapshots of a tensor-parallel pipeline are not supported (each rank holds "
                            "only its heads); snapshot a single-process run")
+    if pipe.stages is not None:
+        raise RuntimeError("snapshots of a two-stage run are not supported (the cache lives on the generating "
+                           "rank); snapshot a single-process run")
     parts = {"noise": ({"rng": pipe.noise.state()}, {}), "lifecycle": ({}, pipe.lifecycle.state()),
              "anchor": pipe.recompute_anchor.state(), "replay": pipe.replay.state(), "cache": pipe.cache.state_dict()}
     tensors = {f"{name}.{k}": v.detach().clone() for name, (ts, _) in parts.items() for k, v in ts.items()}
@@ -46,6 +49,9 @@ def get_state(pipe) -> dict:
 def load_state(pipe, state: dict | str | Path):
     """Restore a snapshot from ``get_state`` or a file written by ``save_state``: each part
     restores its own state."""
+    if pipe.stages is not None:
+        raise RuntimeError("snapshots cannot be restored into a two-stage run (the cache lives on the generating "
+                           "rank); restore in a single-process run")
     if not isinstance(state, dict):
         state = read_state(state)
     tensors, meta = state["tensors"], state["meta"]

@@ -1,0 +1,302 @@
+"""Two pipeline stages over torch.distributed: rank 0 owns the controls, the plans, decoding and
+output; rank 1 (the mesh) owns the generator and its KV cache. Frames flow between them as
+versioned messages, so rank 0 decodes frame n while the mesh makes frame n + 1.
+
+    rank 0                                              rank 1 (the mesh)
+    plan n+1 -> check -> Envelope ---------------->     check (version, lifecycle) -> execute
+    Result n <------------------------------------      latent, model calls, cache offsets
+    count, check, decode beside (DecodeStage)
+
+The lifecycle contract (docs/pipeline_parallel.md):
+- every message is checked by its sender before anything goes out (``check_plan``) and by the
+  mesh before it runs; an unknown version is refused before any collective;
+- a recompute carries its context frames from rank 0 (what the player saw, or the latents rank 0
+  kept); the mesh never rebuilds from anything else;
+- the mesh counts its model calls; a count other than the envelope's fails both ranks;
+- each result carries the mesh's cache offsets, checked against what rank 0's lifecycle says the
+  cache holds (a cache reset on one side only is found at the next frame), and every
+  ``check_every`` results both ranks all-gather their lifecycle scalars;
+- a hard cut bumps the epoch; a live game drops the frames still in flight (``live=True``: the
+  old world is never shown after a restart), counting them; a scripted run takes them first.
+
+Messages are pickled objects (the job's own processes: TP's envelope travels the same way),
+sent with non-blocking sends so neither side waits on the other's receive; at most ``depth``
+envelopes are in flight.
+"""
+from __future__ import annotations
+
+import collections
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ERROR_KEY, ParallelContext, TPError
+from .lifecycle import Lifecycle, LifecycleError, StepPlan
+
+STAGE_VERSION = 1
+ENVELOPE_TAG, RESULT_TAG = 11, 12
+MESH = 1  # the mesh's leader
+
+
+class StageError(TPError):
+    """The stages disagree or one failed; the message names the rank and the cause. Raised on
+    one rank: the app tells the other (``ParallelContext.fail``)."""
+
+    everywhere = False
+
+
+@dataclass
+class Envelope:
+    """What rank 0 sends for a step: the plan (call id, frame index, epoch, reset flag, context
+    frames, denoising steps as expected calls, bias, controls, noise) and the session."""
+    plan: StepPlan
+    session: int = 0
+    version: int = STAGE_VERSION
+
+
+@dataclass
+class Result:
+    """What the mesh sends back: the step's latent (if it makes a frame), its model calls and
+    the cache as it left it; or the error that stopped the mesh."""
+    call_id: int
+    epoch: int
+    calls: int = 0
+    latent: torch.Tensor | None = None
+    offsets: list = field(default_factory=list)
+    error: str | None = None
+    version: int = STAGE_VERSION
+
+
+def check_plan(plan: StepPlan, n_steps: int) -> None:
+    """The sender's check, before any header goes out."""
+    if plan.reset and plan.history is None:
+        kind = "recompute" if plan.event == "recompute" else plan.event
+        raise StageError(f"rank 0: the {kind} envelope (call {plan.call_id}) carries no context frames; a reset of the "
+                         "mesh's cache must bring the frames it rebuilds from (the mesh never falls back to others)")
+    if plan.history is not None and (plan.history_mouse is None or plan.history_buttons is None
+                                     or plan.history_mouse.shape[0] != plan.history.shape[0]):
+        raise StageError(f"rank 0: the {plan.event} envelope (call {plan.call_id}) has {plan.history.shape[0]} "
+                         "context frames but not their controls")
+    if plan.generates and (plan.mouse is None or plan.buttons is None):
+        raise StageError(f"rank 0: the frame envelope (call {plan.call_id}) has noise but no controls")
+    want = {"cut": 1, "observe": 1, "frame": n_steps, "recompute": 1 + n_steps, "stop": 0}.get(plan.event)
+    if want is None or plan.expected_calls != want:
+        raise StageError(f"rank 0: the {plan.event!r} envelope (call {plan.call_id}) expects {plan.expected_calls} "
+                         f"model calls; a {plan.event} makes {want}")
+
+
+class StageLink:
+    """Messages between rank 0 and the mesh: pickled, sent without waiting for the receiver,
+    at most ``depth`` sends outstanding."""
+
+    def __init__(self, ctx: ParallelContext, peer: int, depth: int = 2):
+        self.ctx, self.peer, self.depth = ctx, peer, depth
+        self.sending: collections.deque = collections.deque()  # (work, buffers) of sends in flight
+
+    def send(self, obj, tag: int) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        while len(self.sending) >= self.depth:  # back-pressure: the peer is behind
+            self.sending.popleft()[0].wait()
+        self.sending.append((dist.isend(size, self.peer, tag=tag), (size, data)))
+        self.sending.append((dist.isend(data, self.peer, tag=tag), (size, data)))
+
+    def receive(self, tag: int):
+        size = torch.empty(1, dtype=torch.int64)
+        self.wait(dist.irecv(size, self.peer, tag=tag))
+        data = torch.empty(int(size), dtype=torch.uint8)
+        self.wait(dist.irecv(data, self.peer, tag=tag))
+        return pickle.loads(data.numpy().tobytes())
+
+    def wait(self, work) -> None:
+        """Wait for a receive (on a helper thread: gloo's receive has no poll), looking at the
+        rendezvous store every 50 ms: a peer that failed says why there
+        (``ParallelContext.fail``), and this rank stops with its words, never a hang."""
+        errors: list = []
+
+        def wait():
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - raised on the caller's thread
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait, name="owl-stage-receive", daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + self.ctx.timeout_s
+        while waiter.is_alive():
+            waiter.join(0.05)
+            if not waiter.is_alive():
+                break
+            if self.ctx.store.check([ERROR_KEY]):
+                raise StageError(f"rank {self.ctx.rank} stopped because {self.ctx.store.get(ERROR_KEY).decode()}")
+            if time.monotonic() > deadline:
+                raise StageError(f"rank {self.ctx.rank}: nothing came from rank {self.peer} in tp_timeout_s="
+                                 f"{self.ctx.timeout_s:g} s (it stopped or is stuck)")
+        if errors:
+            raise errors[0]
+
+    def flush(self) -> None:
+        while self.sending:
+            self.sending.popleft()[0].wait()
+
+
+_OWN = object()  # the tag of a step the pipeline waits for (a cut, an observed frame, the stop)
+
+
+class FirstStage:
+    """Rank 0's side: plans go to the mesh, results come back in order and are checked; the
+    caller decodes the frames. A caller that takes the frames in flight (``drain``) before a
+    hard cut shows every frame (a script); one that does not (a game) never sees the frames made
+    before the cut: they are dropped by epoch as they arrive, and counted in ``dropped``."""
+
+    def __init__(self, pipe, ctx: ParallelContext, depth: int = 2):
+        self.pipe, self.ctx, self.depth = pipe, ctx, depth
+        self.link = StageLink(ctx, MESH, depth=2 * (depth + 1))  # two sends a message
+        self.pending: collections.deque = collections.deque()  # (plan, tag, lifecycle scalars after it)
+        self.ready: list = []  # (tag, latent) that arrived while a step waited for its own result
+        self.dropped = 0
+
+    def run(self, plan: StepPlan):
+        """The pipeline's step on rank 0: send ``plan`` and wait for its own result."""
+        self.send(plan, _OWN)
+        latent = None
+        while self.pending:
+            tag, x = self.receive()
+            if tag is _OWN:
+                latent = x
+            elif x is not None:
+                self.ready.append((tag, x))
+        return plan, latent
+
+    def request(self, mouse, buttons, tag=None) -> list:
+        """Plan this frame and send it; returns [(tag, latent)] of the frames that came back
+        meanwhile, in order. A due recompute first takes every frame in flight (its anchor)."""
+        out, self.ready = self.ready, []
+        if self.pipe.lifecycle.recompute_due:
+            out += self.drain()
+        self.send(self.pipe.plan_frame(mouse, buttons), tag)
+        while len(self.pending) > self.depth:
+            tag, x = self.receive()
+            if x is not None:
+                out.append((tag, x))
+        return out
+
+    def drain(self) -> list:
+        """Every frame still in flight, in order."""
+        out, self.ready = self.ready, []
+        while self.pending:
+            tag, x = self.receive()
+            if x is not None:
+                out.append((tag, x))
+        return out
+
+    def send(self, plan: StepPlan, tag) -> None:
+        check_plan(plan, self.pipe.lifecycle.n_steps)  # before any header goes out
+        self.link.send(Envelope(plan), ENVELOPE_TAG)
+        self.pipe.lifecycle.advance(plan)
+        self.pending.append((plan, tag, self.pipe.lifecycle.scalars()))
+
+    def receive(self):
+        """The next result, checked: (tag, latent), latent None for a step without a frame or a
+        frame of an older epoch (dropped)."""
+        plan, tag, scalars = self.pending.popleft()
+        result = self.link.receive(RESULT_TAG)
+        if not isinstance(result, Result) or result.version != STAGE_VERSION:
+            raise StageError(f"rank 0: the mesh answered with {type(result).__name__} version "
+                             f"{getattr(result, 'version', None)!r}; this build speaks {STAGE_VERSION}")
+        if result.error is not None:
+            raise StageError(f"rank {MESH} stopped: {result.error}")
+        if result.call_id != plan.call_id or result.epoch != plan.epoch:
+            raise StageError(f"rank 0: the result of call {result.call_id} (epoch {result.epoch}) arrived; call "
+                             f"{plan.call_id} (epoch {plan.epoch}) was next")
+        self.check(plan, result, scalars)
+        if not plan.generates:
+            return tag, None
+        if plan.epoch < self.pipe.lifecycle.epoch:  # made before a hard cut: never shown
+            self.dropped += 1
+            return tag, None
+        if plan.commit:
+            self.pipe.planner.recompute_anchor.add(result.latent[0, 0], plan.mouse, plan.buttons)
+        return tag, result.latent
+
+    def check(self, plan: StepPlan, result: Result, scalars: list) -> None:
+        life = self.pipe.lifecycle
+        life.model_calls += result.calls
+        if result.calls != plan.expected_calls:
+            raise StageError(f"rank {MESH} made {result.calls} model calls in step {plan.summary()}; the envelope "
+                             f"expected {plan.expected_calls}")
+        want = scalars[Lifecycle.SCALAR_NAMES.index("cached_frames")] * self.pipe.cfg.tokens_per_frame
+        if any(o != want for o in result.offsets):
+            raise StageError(f"state digest: after call {plan.call_id} ({plan.event}) the mesh's cache holds "
+                             f"{sorted(set(result.offsets))} tokens a layer; rank 0's lifecycle says {want} "
+                             "(a cache reset or write on one side only)")
+        if plan.event == "stop" or (plan.call_id + 1) % self.ctx.check_every == 0:
+            scalars = list(scalars)
+            scalars[Lifecycle.SCALAR_NAMES.index("model_calls")] = life.model_calls
+            compare_scalars(self.ctx, scalars)
+
+    def stop(self) -> None:
+        """The mesh stops, after the frames in flight (dropped: the caller took what it wanted)."""
+        self.drain()
+        self.run(self.pipe.lifecycle.stop())
+        self.link.flush()
+
+
+def compare_scalars(ctx: ParallelContext, values: list) -> None:
+    """The periodic all-gather of both stages' lifecycle scalars."""
+    try:
+        ctx.check_scalars(list(Lifecycle.SCALAR_NAMES), values)
+    except TPError as exc:
+        raise StageError(f"periodic lifecycle check: {exc}") from None
+
+
+class Mesh:
+    """The mesh's side: receive envelopes, check them, run them, answer."""
+
+    def __init__(self, pipe, ctx: ParallelContext):
+        self.pipe, self.ctx = pipe, ctx
+        self.link = StageLink(ctx, 0, depth=4)
+
+    def follow(self) -> int:
+        """Run rank 0's steps until it stops; returns the frames made."""
+        pipe, made = self.pipe, 0
+        while True:
+            envelope = self.link.receive(ENVELOPE_TAG)
+            try:
+                plan = self.check(envelope)
+                if plan.event == "stop":
+                    pipe.lifecycle.finish(plan, 0)
+                    self.link.send(Result(plan.call_id, plan.epoch), RESULT_TAG)
+                    compare_scalars(self.ctx, pipe.lifecycle.scalars())  # the last check, as rank 0's
+                    self.link.flush()
+                    return made
+                before = pipe.runner.calls
+                latent = pipe.execute(plan)
+                calls = pipe.runner.calls - before
+            except (LifecycleError, StageError) as exc:
+                call = getattr(getattr(envelope, "plan", None), "call_id", -1)
+                self.link.send(Result(call, -1, error=f"rank {self.ctx.rank}: {exc}"), RESULT_TAG)
+                self.link.flush()
+                raise StageError(f"rank {self.ctx.rank}: {exc}") from None
+            made += plan.generates
+            offsets = [pipe.cache.get_offset(i) for i in range(pipe.cfg.n_layers)] if hasattr(pipe.cache, "get_offset") else []
+            self.link.send(Result(plan.call_id, plan.epoch, calls, latent, offsets), RESULT_TAG)
+            if (plan.call_id + 1) % self.ctx.check_every == 0:
+                compare_scalars(self.ctx, pipe.lifecycle.scalars())
+
+    def check(self, envelope) -> StepPlan:
+        """Before anything runs: the version, then the plan against this lifecycle."""
+        version = getattr(envelope, "version", None)
+        if not isinstance(envelope, Envelope) or version != STAGE_VERSION:
+            raise StageError(f"envelope version {version!r} ({type(envelope).__name__}); this build speaks "
+                             f"{STAGE_VERSION}")
+        plan = envelope.plan
+        if plan.reset and plan.history is None:
+            raise StageError(f"the {plan.event} envelope (call {plan.call_id}) carries no context frames; the mesh "
+                             "rebuilds its cache only from the frames rank 0 sends")
+        self.pipe.lifecycle.expect(plan)
+        return plan

@@ -1,0 +1,148 @@
+"""Two-stage ranks for tests/test_stages.py: each a process on gloo over 127.0.0.1 running a
+scenario, faults injected on one rank by wrapping its pipeline's methods here (the product has
+no test hooks). Each rank reports (rank, outcome, message, data) on a queue, handling errors as
+the apps do: the failing rank tells its peer through the rendezvous store, and a rank whose
+receive broke reports the cause its peer gave."""
+import datetime
+import os
+import time
+import traceback
+
+FRAMES = 12
+
+
+def script(frames: int = FRAMES):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(2, generator=g) * 3, (torch.rand(11, generator=g) > 0.7).float()) for _ in range(frames)]
+
+
+def settings(**changes):
+    import torch
+
+    from owl_wms.settings import KVSettings, Settings
+
+    base = Settings(device="cpu", dtype=torch.float32, attn_backend="sdpa", attn_backend_decode="sdpa",
+                    kv_recompute_every=5, kv_recompute_anchor="decoded",
+                    kv=KVSettings(ring_mode="inplace", fmt_k="int8", fmt_v="int8"))
+    return base.replace(**changes)
+
+
+def events(pipe, f: int, bias: bool = True):
+    """A bias change at frame 3, a hard cut back to the clip at frame 7 (recomputes every 5)."""
+    if f == 3 and bias:
+        pipe.kv_cache_attention_bias = -0.5
+    if f == 7:
+        pipe.restart_from_buffer()
+
+
+def alone(checkpoint, bias: bool = True) -> list:
+    """The frames of one process, as decoded uint8 arrays."""
+    from owl_wms.engine import CausvidPipeline
+
+    pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings(), verbose=False)
+    out = []
+    for f, controls in enumerate(script()):
+        events(pipe, f, bias)
+        out.append(pipe.decode(pipe.generate(*controls)).numpy())
+    return out
+
+
+def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from owl_wms.engine import CausvidPipeline
+    from owl_wms.parallel import ParallelContext, is_collective_error
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    ctx = ParallelContext(rank, 2, timeout_s=20, check_every=4)
+    data = None
+    try:
+        mine = settings(kv_recompute_every=4) if scenario == "plan_mismatch" and rank == 1 else settings()
+        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=mine, pp=ctx, verbose=False)
+        if rank == 1:
+            inject_mesh(pipe, scenario)
+            data = pipe.stages.follow()
+        else:
+            data = drive(pipe, scenario)
+        queue.put((rank, "ok", "", data))
+    except Exception as exc:  # noqa: BLE001 - reported as the apps report it
+        if is_collective_error(exc):
+            message = str(ctx.explain(exc))
+        else:
+            ctx.fail(exc)
+            message = f"{type(exc).__name__}: {exc}"
+        queue.put((rank, "error", message, traceback.format_exc()[-1500:]))
+    finally:
+        queue.close()
+        queue.join_thread()  # the report is out before the process ends
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os._exit(0)
+
+
+def inject_mesh(pipe, scenario: str) -> None:
+    """The mesh's faults."""
+    execute, runner = pipe.execute, pipe.runner
+    count = {"frames": 0}
+
+    def counted(plan):
+        out = execute(plan)
+        count["frames"] += plan.generates
+        if scenario == "reset_one_side" and count["frames"] == 4:
+            pipe.cache.reset()  # the mesh's cache restarts; rank 0 was not told
+        if scenario == "drift" and count["frames"] == 2:
+            pipe.lifecycle.since_anchor += 1  # the recompute window's start drifts by a frame here only
+        return out
+
+    def delayed(plan):
+        if plan.generates and count["frames"] == 5:
+            time.sleep(1.0)  # this result arrives after rank 0 cut to a new history
+        return counted(plan)
+
+    pipe.execute = delayed if scenario == "late_result" else counted
+    if scenario == "extra_call":
+        denoise = runner.denoise
+
+        def one_more(x, mouse, buttons, cache, *rest, **kwargs):
+            import torch
+
+            out = denoise(x, mouse, buttons, cache, *rest, **kwargs)
+            t = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+            runner.call(x, t, mouse, buttons, cache, 0.0, False)  # a model call the plan does not have
+            return out
+
+        runner.denoise = one_more
+
+
+def drive(pipe, scenario: str):
+    """Rank 0: the script's frames through the stages, decoded; what the scenario needs back."""
+    from owl_wms.engine.lifecycle import StepPlan
+
+    if scenario == "recompute_without_frames":
+        plan_frame = pipe.plan_frame
+
+        def no_context(*args, **kwargs):
+            plan: StepPlan = plan_frame(*args, **kwargs)
+            if plan.event == "recompute":
+                plan.history = plan.history_mouse = plan.history_buttons = None
+            return plan
+
+        pipe.plan_frame = no_context
+    stages, shown, cut_at = pipe.stages, [], None
+    for f, controls in enumerate(script()):
+        if scenario == "late_result" and f == 7:
+            cut_at = len(shown)
+            pipe.restart_from_buffer()  # a live cut: the frames in flight are not taken first
+        elif scenario != "late_result":
+            if f in (3, 7):
+                shown += [(n, pipe.decode(x).numpy()) for n, x in stages.drain()]  # a script takes them first
+            events(pipe, f)
+        shown += [(n, pipe.decode(x).numpy()) for n, x in stages.request(*controls, tag=f)]
+    shown += [(n, pipe.decode(x).numpy()) for n, x in stages.drain()]
+    pipe.close()
+    return {"shown": shown, "dropped": stages.dropped, "cut_at": cut_at}

@@ -1,0 +1,118 @@
+"""Two pipeline stages over torch.distributed (owl_wms/engine/stages.py), as gloo processes on
+the CPU: rank 0 plans and decodes, rank 1 generates. The frames are the single process's bit for
+bit in float32 across a bias change, a hard cut and recomputes from decoded frames; and each of
+six faults ends both ranks within seconds with a message naming its cause, never a hang."""
+import multiprocessing
+import queue as queues
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from .conftest import REPO, time_limit
+from .stage_ranks import alone, rank_main
+
+TINY = str(REPO / "checkpoints" / "untrained-tiny")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, limit_s: float = 30) -> dict:
+    """Both ranks' reports {rank: (outcome, message, data)}; fails if either is still running
+    after the time limit (a hang)."""
+    ctx = multiprocessing.get_context("spawn")
+    reports = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, port, TINY, scenario, reports)) for r in range(2)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < 2:
+            left = time_limit(limit_s) - (time.monotonic() - start)
+            if left <= 0:
+                raise AssertionError(f"{scenario}: a rank still runs after {time_limit(limit_s):.0f} s (a hang); "
+                                     f"reports so far: {out}")
+            try:
+                rank, outcome, message, data = reports.get(timeout=min(left, 1.0))
+                out[rank] = (outcome, message, data)
+            except queues.Empty:
+                pass
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return alone(TINY)
+
+
+def test_two_stages_give_the_frames_of_one_process_bit_for_bit(expected):
+    out = run_ranks("frames")
+    assert out[0][0] == "ok" and out[1][0] == "ok", out
+    shown = out[0][2]["shown"]
+    assert [n for n, _ in shown] == list(range(len(expected)))
+    for n, frame in shown:
+        assert np.array_equal(frame, expected[n]), f"frame {n} differs"
+    assert out[1][2] == len(expected)  # frames the mesh made
+    assert len({e.tobytes() for e in expected}) == len(expected)
+
+
+def test_break_it_1_ranks_started_with_different_plans_fail_at_start_up():
+    out = run_ranks("plan_mismatch")
+    for rank in (0, 1):
+        outcome, message, _ = out[rank]
+        assert outcome == "error" and "started with different settings" in message, out
+        assert "settings.kv_recompute_every=4" in message or "kv_recompute_every='4'" in message, message
+
+
+def test_break_it_2_a_generator_call_count_mismatch_fails_fast():
+    out = run_ranks("extra_call")
+    assert out[1][0] == "error" and "made 3 model calls" in out[1][1] and "expected 2" in out[1][1], out
+    assert out[0][0] == "error" and "rank 1 stopped" in out[0][1] and "made 3 model calls" in out[0][1], out
+
+
+def test_break_it_3_a_recompute_without_its_context_frames_fails_before_the_header_is_sent():
+    out = run_ranks("recompute_without_frames")
+    assert out[0][0] == "error" and "the recompute envelope" in out[0][1] and "carries no context frames" in out[0][1]
+    assert out[1][0] == "error" and "rank 0" in out[1][1] and "carries no context frames" in out[1][1], out
+    assert "rank 1 stopped because" in out[1][1]  # the mesh heard it from rank 0: it never got the envelope
+
+
+def test_break_it_4_a_cache_reset_on_one_side_trips_the_state_digest():
+    out = run_ranks("reset_one_side")
+    assert out[0][0] == "error" and "state digest" in out[0][1] and "a cache reset or write on one side" in out[0][1]
+    assert out[1][0] == "error" and "state digest" in out[1][1], out
+
+
+def test_break_it_5_a_start_frame_drift_on_one_side_trips_the_periodic_all_gather():
+    out = run_ranks("drift")
+    for rank in (0, 1):
+        outcome, message, _ = out[rank]
+        assert outcome == "error" and "periodic lifecycle check" in message and "since_anchor" in message, out
+
+
+def test_break_it_6_a_result_delayed_past_a_hard_cut_is_dropped_by_epoch_and_never_shown():
+    out = run_ranks("late_result")
+    expected = alone(TINY, bias=False)  # one process: a restart at frame 7, no bias change
+    assert out[0][0] == "ok" and out[1][0] == "ok", out
+    report = out[0][2]
+    shown, dropped, cut_at = report["shown"], report["dropped"], report["cut_at"]
+    numbers = [n for n, _ in shown]
+    assert dropped >= 1 and len(numbers) == len(expected) - dropped
+    assert numbers == sorted(numbers) and 5 not in numbers  # the late frame never came out
+    assert numbers[:cut_at] == list(range(cut_at))
+    # the frames on both sides of the cut are that process's
+    assert all(n >= 7 for n, _ in shown[cut_at:])
+    for n, frame in shown:
+        assert np.array_equal(frame, expected[n]), f"frame {n} differs"
