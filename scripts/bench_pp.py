@@ -63,7 +63,17 @@ LOOPS = {  # name -> (generator threads, decoding thread's threads or None: deco
     "synchronous, 1 thread": lambda t: (1, None),
     "asynchronous decode, T-1 + 1 threads": lambda t: (max(1, t - 1), 1),
     "asynchronous decode, T + 1 threads": lambda t: (t, 1),
+    "two stages: rank 1 generates (T-1), rank 0 decodes (1)": lambda t: (max(1, t - 1), 1),  # rank 1 generates, rank 0 decodes
 }
+TWO_STAGES = "two stages: rank 1 generates (T-1), rank 0 decodes (1)"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def load(model_name: str, args):
@@ -83,18 +93,35 @@ def child(args) -> None:
     from owl_wms.settings import Settings
 
     gen_threads, dec_threads = LOOPS[args.child_loop](args.threads)
+    ctx = None
+    if args.child_loop == TWO_STAGES:  # rank 0 (this process, answering the parent) decodes; rank 1 generates
+        import datetime
+
+        import torch.distributed as dist
+
+        from owl_wms.parallel import ParallelContext
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.child_port}", rank=args.child_rank,
+                                world_size=2, timeout=datetime.timedelta(hours=1))
+        ctx = ParallelContext(args.child_rank, 2, timeout_s=3600, check_every=16)
+        gen_threads = gen_threads if args.child_rank == 1 else dec_threads
     torch.set_num_threads(gen_threads)
     world, model, decoder = load(args.child_model, args)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     settings = Settings.from_config(world.inference).replace(device="cpu", dtype=dtype, compile=bool(args.compile),
                                                              compile_background=False, threads=gen_threads)
-    pipe = CausvidPipeline(model, decoder, world, settings, verbose=False)
+    pipe = CausvidPipeline(model, decoder, world, settings, verbose=False, pp=ctx)
+    if ctx is not None and ctx.rank == 1:
+        pipe.stages.follow()
+        dist.destroy_process_group()
+        return
     g = torch.Generator().manual_seed(0)
     cfg, window = world.model, world.pipeline.window_frames
     history = (torch.randn(window, cfg.channels, cfg.sample_size, cfg.sample_size, generator=g), *no_controls(window))
     # what an app shows or writes, and when it was ready (a window's UI thread shows it then)
     show = lambda latent: (pipe.decode(latent).numpy(), time.perf_counter())  # noqa: E731
     stage = DecodeStage(show, threads=dec_threads) if dec_threads else None
+    stages = pipe.stages
     print(json.dumps({"ready": True}), flush=True)
     for line in iter(sys.stdin.readline, ""):
         frames = int(line.split()[1])
@@ -109,6 +136,13 @@ def child(args) -> None:
         start = time.perf_counter()
         for i in range(frames):
             t0 = asked[i] = time.perf_counter()
+            if stages is not None:  # sent to rank 1; the frames that came back go to the decoding thread
+                for tag, latent in stages.request(*WALK, tag=i):
+                    stage.submit(latent, tag=tag)
+                gen.append(time.perf_counter() - t0)
+                for tag, frame in stage.ready():
+                    out(tag, frame)
+                continue
             latent = pipe.generate(*WALK)
             t1 = time.perf_counter()
             gen.append(t1 - t0)
@@ -119,25 +153,34 @@ def child(args) -> None:
             stage.submit(latent, tag=i)
             for tag, frame in stage.ready():
                 out(tag, frame)
+        for tag, latent in stages.drain() if stages is not None else ():
+            stage.submit(latent, tag=tag)
         for tag, frame in stage.drain() if stage is not None else ():
             out(tag, frame)
         print(json.dumps({"seconds": time.perf_counter() - start, "latency": latency, "generate": gen,
                           "decode": dec, "digest": digest.hexdigest()}), flush=True)
     if stage is not None:
         stage.close()
+    pipe.close()  # two stages: rank 1 stops
+    if ctx is not None:
+        dist.destroy_process_group()
 
 
 def bench_model(model_name: str, args) -> dict:
     label = "the shipped world" if model_name == "shipped" else \
         f"production-shaped, {args.prod_layers} of 16 layers, decoder width {args.prod_decoder_width}"
     print(f"\n{label}: starting one process per loop (each compiles) ...", flush=True)
-    children = {}
+    children, followers = {}, []
     for name in LOOPS:
         cmd = [sys.executable, "-m", "scripts.bench_pp", "--child-model", model_name, "--child-loop", name,
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("threads", "compile", "dtype", "prod_layers", "prod_decoder_width"))]
-        children[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          env={**os.environ, "OMP_NUM_THREADS": str(LOOPS[name](args.threads)[0])})
+        env = {**os.environ, "OMP_NUM_THREADS": str(LOOPS[name](args.threads)[0])}
+        if name == TWO_STAGES:
+            cmd += ["--child-port", str(free_port())]
+            followers.append(subprocess.Popen(cmd + ["--child-rank", "1"], stdin=subprocess.DEVNULL, env=env))
+            cmd += ["--child-rank", "0"]
+        children[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     runs = {name: [] for name in LOOPS}
     try:
         for name, proc in children.items():
@@ -155,6 +198,8 @@ def bench_model(model_name: str, args) -> dict:
     finally:
         for proc in children.values():
             proc.stdin.close()
+            proc.wait(timeout=60)
+        for proc in followers:
             proc.wait(timeout=60)
     digests = {name: {r["digest"] for r in rs} for name, rs in runs.items()}
     same = len(set().union(*digests.values())) == 1
@@ -175,15 +220,21 @@ def bench_model(model_name: str, args) -> dict:
         r["x_sync_best"] = r["fps"] / sync_best["fps"]
         if r["decode_ms"] is not None:
             r["decode_share"] = r["decode_ms"] / r["frame_ms"]
-    async_row = rows[2]
-    # the decode work the overlap hid: what the async frame took beyond generating, against the
-    # best synchronous loop's decode time
-    async_row["decode_hidden"] = 1 - max(0.0, async_row["frame_ms"] - async_row["generate_ms"]) / sync_best["decode_ms"]
-    print(f"{'loop':<40} {'FPS':>7} {'frame ms':>9} {'generate ms':>12} {'decode ms':>10} {'latency ms':>11} "
+    for r, name in zip(rows, runs):
+        if name == TWO_STAGES:
+            r["generate_ms"] = None  # rank 0 only waits; rank 1's time is not seen from here
+        if r["decode_ms"] is not None:
+            continue
+        # the decode work the overlap hid: what a frame took beyond generating (the synchronous
+        # loop's generate time at this generator's thread count), against the best synchronous decode
+        same = [q for q in rows[:2] if q["generator_threads"] == r["generator_threads"]]
+        generate_ms = same[0]["generate_ms"] if same else r["generate_ms"]
+        r["decode_hidden"] = 1 - max(0.0, r["frame_ms"] - generate_ms) / sync_best["decode_ms"]
+    print(f"{'loop':<44} {'FPS':>7} {'frame ms':>9} {'generate ms':>12} {'decode ms':>10} {'latency ms':>11} "
           f"{'decode share':>13} {'x sync':>7} {'x best sync':>12} {'decode hidden':>14}")
     for r in rows:
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        print(f"{r['loop']:<40} {r['fps']:>7.1f} {r['frame_ms']:>9.2f} {r['generate_ms']:>12.2f} "
+        print(f"{r['loop']:<44} {r['fps']:>7.1f} {r['frame_ms']:>9.2f} {fmt(r['generate_ms'], '>12.2f')} "
               f"{fmt(r['decode_ms'], '>10.2f')} {r['latency_ms']:>11.2f} "
               f"{fmt(r.get('decode_share') and 100 * r['decode_share'], '>12.0f')}{'%' if 'decode_share' in r else ' '} "
               f"{r['x_sync_default']:>7.2f} {r['x_sync_best']:>12.2f} "
@@ -205,6 +256,8 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--child-model", choices=("shipped", "production"), help=argparse.SUPPRESS)
     p.add_argument("--child-loop", choices=tuple(LOOPS), help=argparse.SUPPRESS)
+    p.add_argument("--child-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_loop:
         return child(args)

@@ -100,7 +100,7 @@ def inject_mesh(pipe, scenario: str) -> None:
         return out
 
     def delayed(plan):
-        if plan.generates and count["frames"] == 5:
+        if plan.generates and count["frames"] == 6:
             time.sleep(1.0)  # this result arrives after rank 0 cut to a new history
         return counted(plan)
 

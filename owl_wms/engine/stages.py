@@ -153,7 +153,9 @@ class FirstStage:
     hard cut shows every frame (a script); one that does not (a game) never sees the frames made
     before the cut: they are dropped by epoch as they arrive, and counted in ``dropped``."""
 
-    def __init__(self, pipe, ctx: ParallelContext, depth: int = 2):
+    def __init__(self, pipe, ctx: ParallelContext, depth: int = 1):
+        """``depth``: frames in flight beside the one just sent (one keeps rank 1 busy: the next
+        envelope is there before it finishes a frame)."""
         self.pipe, self.ctx, self.depth = pipe, ctx, depth
         self.link = StageLink(ctx, MESH, depth=2 * (depth + 1))  # two sends a message
         self.pending: collections.deque = collections.deque()  # (plan, tag, lifecycle scalars after it)

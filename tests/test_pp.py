@@ -1,0 +1,51 @@
+"""``torchrun --nproc-per-node 2 -m inference.game_cv --headless --pp 2``: rank 0 plans, decodes
+and writes while rank 1 generates; the video is the single process's, frame for frame."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from .conftest import REPO, time_limit
+
+SCRIPT = ([{"mouse": [4.0, 0.0], "buttons": [1] + [0] * 10}] * 5 + [{"event": "restart"}]
+          + [{"mouse": [-3.0, 1.0], "buttons": [0, 1] + [0] * 9}] * 4 + [{"event": "bias", "value": -1.0}]
+          + [{"mouse": [0.0, 0.0], "buttons": [1] + [0] * 10}] * 5)
+ENV = {"OWL_DTYPE": "fp32", "OWL_KV_RECOMPUTE_EVERY": "4", "OWL_KV_RECOMPUTE_ANCHOR": "decoded",
+       "OWL_TP_CHECK_EVERY": "3"}
+
+
+def render(tmp_path, name: str, *launch, threads: int, extra=()):
+    actions = tmp_path / "actions.jsonl"
+    actions.write_text("".join(json.dumps(a) + "\n" for a in SCRIPT))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWL_")}, **ENV, "OWL_THREADS": str(threads)}
+    out = tmp_path / f"{name}.npy"
+    p = subprocess.run([sys.executable, *launch, "-m", "inference.game_cv", "--headless", "--actions", str(actions),
+                        "--beside-simulator", "--out", str(tmp_path / f"{name}.mp4"), "--save-frames", str(out), *extra],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=time_limit(300))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    return np.load(out), p.stdout + p.stderr
+
+
+def test_two_stages_render_the_single_process_video_across_a_cut_a_bias_change_and_recomputes(tmp_path):
+    one, _ = render(tmp_path, "one", threads=2)
+    two, log = render(tmp_path, "pp", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                      threads=1, extra=("--pp", "2"))
+    assert one.shape[0] == 14 and np.array_equal(one, two)
+    assert "wrote" in log and "(14 frames)" in log
+
+
+def test_snapshots_of_a_two_stage_run_are_refused_with_the_reason():
+    from owl_wms.engine import snapshot
+
+    class Staged:  # what snapshot reads of a pipeline: a two-stage rank 0
+        tp, stages = None, object()
+
+    for call in (lambda: snapshot.get_state(Staged()), lambda: snapshot.load_state(Staged(), {})):
+        try:
+            call()
+        except RuntimeError as exc:
+            assert "two-stage run" in str(exc) and "single-process run" in str(exc)
+        else:
+            raise AssertionError("a snapshot of a two-stage run was not refused")
