@@ -251,7 +251,8 @@ def main(argv=None):
     p.add_argument("--compile", type=int, choices=(0, 1), default=1, help="compile the frame call and the decoder")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--prod-layers", type=int, default=2, help="layers of the production-shaped model (0: skip it)")
-    p.add_argument("--prod-decoder-width", type=int, default=96, help="channels of its random decoder's blocks")
+    p.add_argument("--prod-decoder-width", type=int, default=160,
+                   help="channels of its random decoder's blocks (160: about a third of the synchronous frame here)")
     p.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and not counted")
     p.add_argument("--json", default=None)
     p.add_argument("--child-model", choices=("shipped", "production"), help=argparse.SUPPRESS)

@@ -48,6 +48,23 @@ def test_bench_tp_times_tp1_and_tp2_and_compares_their_frames(tmp_path):
     assert "| shipped, TP 2 exact (1 thread per rank) |" in out and (tmp_path / "tp" / "report.md").exists()
 
 
+def test_bench_pp_times_decoding_in_line_on_a_thread_and_in_two_stages(tmp_path):
+    out = bench("bench_pp", "--frames", 3, "--rounds", 1, "--warmup-rounds", 0, "--compile", 0, "--prod-layers", 1,
+                "--prod-decoder-width", 16, "--json", tmp_path / "pp.json")
+    report = json.loads((tmp_path / "pp.json").read_text())
+    assert [m["label"].split(",")[0] for m in report["models"]] == ["the shipped world", "production-shaped"]
+    for model in report["models"]:
+        rows = model["rows"]
+        assert [r["loop"] for r in rows] == ["synchronous, 2 threads", "synchronous, 1 thread",
+                                             "asynchronous decode, 1 + 1 threads", "asynchronous decode, 2 + 1 threads",
+                                             "two stages: rank 1 generates (1), rank 0 decodes (1)"]
+        assert all(r["fps"] > 0 and r["latency_ms"] > 0 for r in rows)
+        assert rows[0]["decode_ms"] > 0 and 0 < rows[0]["decode_share"] < 1 and rows[0]["x_sync_default"] == 1.0
+        assert all("decode_hidden" in r for r in rows[2:])
+        assert model["same_frames"]  # every loop made the same frames, bit for bit
+    assert "every loop gave the same frames bit for bit: yes" in out
+
+
 def test_bench_train_times_eager_compiled_and_dense_steps(tmp_path):
     from .test_world_recipe import tiny_config
 

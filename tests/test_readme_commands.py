@@ -21,6 +21,7 @@ ELSEWHERE = {
     "python -m scripts.bench_play": "tests/test_benchmarks.py::test_bench_play_measures_the_window_with_and_without_overlay",
     "python -m scripts.bench_compile": "tests/test_benchmarks.py::test_bench_compile_measures_eager_and_compiled_modes",
     "python -m scripts.bench_tp": "tests/test_benchmarks.py::test_bench_tp_times_tp1_and_tp2_and_compares_their_frames",
+    "python -m scripts.bench_pp": "tests/test_benchmarks.py::test_bench_pp_times_decoding_in_line_on_a_thread_and_in_two_stages",
     "python -m scripts.bench_frame": "tests/test_benchmarks.py::test_bench_frame_times_every_path_against_the_default_and_the_floor",
     "python -m scripts.bench_shared_cores": "tests/test_benchmarks.py::test_bench_shared_cores_runs_the_command_alone_and_beside_a_busy_process",
     "python -m scripts.bench_serve": "tests/test_benchmarks.py::test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_server",
@@ -111,6 +112,6 @@ def test_the_readme_commands_run_in_order(tmp_path):
         ran.append(command)
     made = {p.name for p in tmp_path.iterdir()}
     assert {"rollout.mp4", "run.mp4", "run.jsonl", "walk.mp4", "replay.mp4", "gt.mp4", "beside.mp4", "beside.png",
-            "int4.mp4", "p.mp4", "tp2.mp4", "eval"} <= made, made
+            "int4.mp4", "p.mp4", "tp2.mp4", "pp2.mp4", "eval"} <= made, made
     assert (tmp_path / "eval" / "ab" / "report.md").exists()
     assert len(ran) >= 14
