@@ -116,3 +116,24 @@ def test_break_it_6_a_result_delayed_past_a_hard_cut_is_dropped_by_epoch_and_nev
     assert all(n >= 7 for n, _ in shown[cut_at:])
     for n, frame in shown:
         assert np.array_equal(frame, expected[n]), f"frame {n} differs"
+
+
+def test_an_unknown_envelope_version_or_a_reset_without_frames_is_refused_before_anything_runs():
+    from types import SimpleNamespace
+
+    from owl_wms.engine.lifecycle import Lifecycle
+    from owl_wms.engine.stages import Envelope, Mesh, StageError, check_plan
+
+    life = Lifecycle(n_steps=2)
+    mesh = SimpleNamespace(pipe=SimpleNamespace(lifecycle=life))  # what Mesh.check reads
+    plan = Lifecycle(n_steps=2).cut(np.zeros((2, 4, 2, 2), np.float32), None, None)
+    with pytest.raises(StageError, match=r"envelope version 2 \(Envelope\); this build speaks 1"):
+        Mesh.check(mesh, Envelope(plan, version=2))
+    with pytest.raises(StageError, match=r"envelope version None \(dict\)"):
+        Mesh.check(mesh, {"plan": plan})
+    plan.history = None
+    with pytest.raises(StageError, match="carries no context frames; the mesh rebuilds its cache only from"):
+        Mesh.check(mesh, Envelope(plan))
+    with pytest.raises(StageError, match="the cut envelope .* carries no context frames"):
+        check_plan(plan, 2)
+    assert life.call_id == 0  # nothing ran
