@@ -32,7 +32,7 @@ from owl_wms.settings import Settings, SettingsError  # noqa: E402
 from .actions import BUILTIN  # noqa: E402
 from .cores import CoreBudget  # noqa: E402
 from .flags import flag_message, resolve_settings, warnings_as_lines, with_threads  # noqa: E402
-from .headless import run_headless, run_sessions  # noqa: E402
+from .headless import follow, run_headless, run_sessions  # noqa: E402
 from .video import OutputPathError, OutputWriteError  # noqa: E402
 
 MAX_FRAMES = 100_000  # about 2 hours at 15 FPS; the action list is built up front
@@ -84,8 +84,8 @@ def parse_args(argv=None):
                    help="tensor parallel ranks (heads and MLP split across processes; launch with torchrun "
                         "--nproc-per-node N)")
     p.add_argument("--pp", type=int, default=1, choices=(1, 2),
-                   help="2: two pipeline stages, rank 0 decoding and writing while rank 1 generates (headless; "
-                        "launch with torchrun --nproc-per-node 2)")
+                   help="2: two pipeline stages, rank 0 owning input, decoding and output while rank 1 generates "
+                        "(launch with torchrun --nproc-per-node 2)")
     play = p.add_argument_group("play (window) options")
     play.add_argument("--target-fps", type=float, default=60.0, help="window refresh rate (frame pacing)")
     play.add_argument("--smooth", action="store_true", help="smooth scaling instead of integer (nearest)")
@@ -153,17 +153,19 @@ def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelCon
     if tp is None or tp.is_leader:  # start-up takes seconds: say so at once
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
-    stages = getattr(args, "pp", 1) == 2
+    stages = args.pp == 2
     pipe = CausvidPipeline.from_checkpoint(world, args.ckpt, settings=settings, clip=clip, ground_truth=args.ground_truth,
                                            tp=None if stages else tp, pp=tp if stages else None, weights=args.weights)
     check_simulator(pipe.world)
     if tp is not None and not tp.is_leader:
+        if stages and compile_pays(args):  # --pp 2: the generating rank compiles, rank 0 never calls the model
+            compile_in_background(pipe.runner, settings, budget)
         return pipe
     if args.world_seed is not None:
         load_level(pipe, args.world_seed)
     elif clip is None:
         pipe.load_clip(load_clip(args.clip, pipe.cfg.channels, pipe.cfg.sample_size))
-    if compile_pays(args):
+    if compile_pays(args) and not stages:
         compile_in_background(pipe.runner, settings, budget, log=lambda text: pipe.log(text))
     return pipe
 
@@ -203,14 +205,20 @@ def launch_tp(args, settings: Settings) -> ParallelContext | None:
                                    settings.tp_reduce)
 
 
-def run_play(args, world: WorldConfig, settings: Settings, budget: CoreBudget | None = None) -> int:
+def has_display() -> bool:
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER"))
+
+
+def run_play(args, world: WorldConfig, settings: Settings, budget: CoreBudget | None = None,
+             stages: ParallelContext | None = None) -> int:
+    """The window (``stages``: rank 0 of --pp 2, the frames made by rank 1)."""
     from .play import Game, PlayOptions, no_display_message  # pygame loads only for the window
 
-    if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER")):
+    if not has_display():
         print(no_display_message(), file=sys.stderr)
         return 2
     options = PlayOptions.from_args(args)  # output paths are checked here, before the model loads
-    return Game(lambda: build_pipeline(args, world, settings, budget=budget), options, budget=budget).run()
+    return Game(lambda: build_pipeline(args, world, settings, stages, budget=budget), options, budget=budget).run()
 
 
 def keep_graphs_between_starts() -> None:
@@ -232,14 +240,17 @@ def main(argv=None) -> int:
                     raise ValueError(f"--sessions {args.sessions} renders headless rollouts of one process without "
                                      f"the simulator; " + ("add --headless" if flag == "--headless" else f"drop {flag}"))
             return run_sessions(args, lambda args: build_sessions(args, world, settings, budget), budget)
+        if args.pp > 1 and not args.headless and not has_display():  # every rank stops, none waits for another
+            return run_play(args, world, settings, budget)
         tp = launch_tp(args, settings)
-        if tp is not None and not args.headless:
-            raise TPError(f"{'--pp' if args.pp > 1 else '--tp'} runs headless only (the window belongs to one "
-                          "process); add --headless")
+        if tp is not None and not args.headless and args.pp == 1:
+            raise TPError("--tp runs headless only (the window belongs to one process); add --headless")
         if args.beside_simulator and not args.headless:
             raise ValueError("--beside-simulator renders to the video only; add --headless")
         if not args.headless:
-            return run_play(args, world, settings, budget)
+            if tp is not None and not tp.is_leader:  # --pp 2: rank 1 makes the window's frames
+                return follow(lambda: build_pipeline(args, world, settings, tp, budget))
+            return run_play(args, world, settings, budget, tp)
         return run_headless(args, lambda args, tp: build_pipeline(args, world, settings, tp, budget), tp, budget)
     except USER_ERRORS as exc:
         if tp is not None:

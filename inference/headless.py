@@ -118,20 +118,26 @@ def keep_decoded(stage, show) -> None:
         stage.close()
 
 
+def follow(build) -> int:
+    """A rank other than 0 (TP or the generating stage): rank 0 owns input, decoding and output,
+    this rank runs its steps until it stops."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
+    pipe = build()
+    end_startup()
+    (pipe.stages or pipe.tp).follow()
+    return 0
+
+
 def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBudget | None = None) -> int:
     """Render ``args.actions`` to ``args.out`` with the pipeline ``build(args, tp)`` makes; returns
     the exit code (130 when interrupted). The video of the frames so far is always finalised.
     ``budget``: torch's threads, re-checked between frames."""
     from tqdm import tqdm
 
-    if tp is not None and not tp.is_leader:  # a follower: rank 0 owns input, decoding and output
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
-        pipe = build(args, tp)
-        end_startup()
-        (pipe.stages or pipe.tp).follow()
-        return 0
+    if tp is not None and not tp.is_leader:
+        return follow(lambda: build(args, tp))
     items = load_actions(args.actions, args.frames, seed=args.seed or 0)
     frames_path = check_output_path(args.save_frames, suffix=".npy", flag="--save-frames") if args.save_frames else None
     sheet_path = check_output_path(args.sheet, suffix=".png", flag="--sheet") if args.sheet else None

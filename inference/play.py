@@ -151,9 +151,16 @@ class Worker(threading.Thread):
         self.frames = 0
         self.budget = budget
         self.busy: tuple[str, float] | None = None  # what a slow step between frames is doing, and since when
+        self.stage = self.stages = None  # the decoding thread and --pp 2's link, made on this thread
 
     def stop(self):
         self._halt.set()
+
+    @property
+    def dropped(self) -> int:
+        """Frames made but never shown: in flight at a live hard cut under --pp 2."""
+        return (self.stage.discarded if self.stage is not None else 0) + \
+            (self.stages.dropped if self.stages is not None else 0)
 
     def step_once(self):
         self._step.set()
@@ -169,6 +176,10 @@ class Worker(threading.Thread):
                 pass
 
     def _event(self, event: dict):
+        if self.stages is not None and event.get("event") in HARD_CUTS:
+            self.stage.discard()  # a live cut: the old world's frames in flight are never shown (rank 1's too)
+        elif self.stage is not None:
+            self._emit_decoded(self._drained())  # the frames made before the event show before it
         cue = event_cue(event)
         self.busy = (cue, time.perf_counter()) if cue is not None else None
         try:
@@ -187,24 +198,28 @@ class Worker(threading.Thread):
         return None
 
     def run(self):
-        stage = None
+        stage = stages = None  # this thread's: a decoding thread; --pp 2's link to rank 1
         try:
             if self.pipe is None:
                 self.pipe = self._factory()
             self.pipe.frame_shape  # decoded once here, so the UI thread never runs torch
             self.clip_count = len(self.pipe.replay.paths)
-            if self.pipe.settings.decode == "async":  # frames decode on a thread of their own
-                stage = DecodeStage(self._decode, threads=self.pipe.settings.decode_threads)
+            stages = self.pipe.stages  # --pp 2: rank 1 makes the frames, this thread sends and takes them
+            if self.pipe.settings.decode == "async" or stages is not None:  # frames decode on a thread of their own
+                threads = self.pipe.settings.threads if stages is not None else self.pipe.settings.decode_threads
+                stage = DecodeStage(self._decode, threads=threads)
+            self.stage, self.stages = stage, stages
             self.ready.set()
             while not self._halt.is_set():
-                if not self.commands.empty() and stage is not None:
-                    self._emit_decoded(stage.drain())  # the frames made before an event show before it
+                commands = []
                 while not self.commands.empty():
-                    self._event(self.commands.get())
+                    commands.append(self.commands.get())
+                for event in commands:
+                    self._event(event)
                 done = self.finished or (self.max_frames is not None and self.frames >= self.max_frames)
                 if done or (self.paused and not self._step.is_set()):
                     if stage is not None:
-                        self._emit_decoded(stage.drain())
+                        self._emit_decoded(self._drained())
                     time.sleep(0.005)
                     continue
                 self._step.clear()
@@ -217,12 +232,19 @@ class Worker(threading.Thread):
                 t0 = time.perf_counter()
                 if self.frames == 0:
                     self.busy = (first_frame_cue(self.pipe.settings), t0)
-                latent = self.pipe.generate(*controls)
-                t1 = time.perf_counter()
                 self.frames += 1
-                made = FrameResult(None, self.frames, (t1 - t0) * 1000, 0.0, *controls, epoch=self.pipe.cache_epoch,
+                made = FrameResult(None, self.frames, 0.0, 0.0, *controls, epoch=self.pipe.cache_epoch,
                                    bias=self.pipe.kv_cache_attention_bias, ground_truth=self.pipe.ground_truth,
                                    kv_bytes=self.pipe.kv_bytes, compile_state=self.pipe.runner.compile_state())
+                if stages is not None:
+                    back = stages.request(*controls, tag=made)
+                    made.denoise_ms = (time.perf_counter() - t0) * 1000  # rank 1's frame, as this rank waits for it
+                    for tag, latent in back:
+                        stage.submit(latent, tag=tag)
+                    self._emit_decoded(stage.ready())
+                    continue
+                latent = self.pipe.generate(*controls)
+                made.denoise_ms = (time.perf_counter() - t0) * 1000
                 if stage is None:
                     self._emit_decoded([(made, self._decode(latent))])
                 else:
@@ -233,6 +255,14 @@ class Worker(threading.Thread):
         finally:
             if stage is not None:
                 stage.close()
+            if stages is not None and self.error is None:
+                self.pipe.close()  # rank 1 stops
+
+    def _drained(self) -> list:
+        """Every frame in flight (rank 1's too), decoded, in order."""
+        for tag, latent in self.stages.drain() if self.stages is not None else ():
+            self.stage.submit(latent, tag=tag)
+        return list(self.stage.drain())
 
     def _decode(self, latent) -> tuple[np.ndarray, float]:
         t0 = time.perf_counter()
@@ -248,6 +278,7 @@ class Worker(threading.Thread):
             self._emit(dataclasses.replace(made, frame=frame, decode_ms=decode_ms))
 
 
+HARD_CUTS = ("restart", "clip", "world_seed")  # events that start the session from a new history
 RECORDINGS = Path("recordings")  # F9 and F12 outputs unless --record-dir says otherwise (git-ignored)
 
 
@@ -596,7 +627,8 @@ class Game:
                             break
                     limit = self.opt.max_frames
                     if (limit is not None and self.frames_shown >= limit) or (
-                            self.worker.finished and self.worker.results.empty() and self.frames_shown == self.worker.frames):
+                            self.worker.finished and self.worker.results.empty()
+                            and self.frames_shown + self.worker.dropped == self.worker.frames):
                         running = False
                     # Redraw on news (or 4x a second for the overlay): idle redraws would take CPU
                     # and the GIL from the generating thread.

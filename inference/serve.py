@@ -76,7 +76,7 @@ def parse_args(argv=None):
                         ("--max-fps", args.max_fps)):
         if value is not None and not 0 < value <= 100_000:
             p.error(f"{flag} {value}: must be a positive number")
-    args.tp = 1  # the settings of one process (game_cv.run_settings)
+    args.tp = args.pp = 1  # the settings of one process (game_cv.run_settings)
     return args
 
 

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .common import SHIPPED, machine, require_at_least
+from .common import SHIPPED, machine, optional, require_at_least
 
 WALK = ([1.0, 0.0], [1] + [0] * 10)
 
@@ -233,12 +233,11 @@ def bench_model(model_name: str, args) -> dict:
     print(f"{'loop':<44} {'FPS':>7} {'frame ms':>9} {'generate ms':>12} {'decode ms':>10} {'latency ms':>11} "
           f"{'decode share':>13} {'x sync':>7} {'x best sync':>12} {'decode hidden':>14}")
     for r in rows:
-        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        print(f"{r['loop']:<44} {r['fps']:>7.1f} {r['frame_ms']:>9.2f} {fmt(r['generate_ms'], '>12.2f')} "
-              f"{fmt(r['decode_ms'], '>10.2f')} {r['latency_ms']:>11.2f} "
-              f"{fmt(r.get('decode_share') and 100 * r['decode_share'], '>12.0f')}{'%' if 'decode_share' in r else ' '} "
+        print(f"{r['loop']:<44} {r['fps']:>7.1f} {r['frame_ms']:>9.2f} {optional(r['generate_ms'], '>12.2f')} "
+              f"{optional(r['decode_ms'], '>10.2f')} {r['latency_ms']:>11.2f} "
+              f"{optional(r.get('decode_share') and 100 * r['decode_share'], '>12.0f')}{'%' if 'decode_share' in r else ' '} "
               f"{r['x_sync_default']:>7.2f} {r['x_sync_best']:>12.2f} "
-              f"{fmt(r.get('decode_hidden') and 100 * r['decode_hidden'], '>13.0f')}{'%' if 'decode_hidden' in r else ' '}")
+              f"{optional(r.get('decode_hidden') and 100 * r['decode_hidden'], '>13.0f')}{'%' if 'decode_hidden' in r else ' '}")
     print(f"every loop gave the same frames bit for bit: {'yes' if same else 'NO'}")
     return {"label": label, "rows": rows, "same_frames": same}
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from scripts.common import machine
+from scripts.common import machine, optional
 
 
 def child(seconds: float, checkpoint: str | None, max_fps: float | None = None) -> dict:
@@ -97,10 +97,9 @@ def main(argv=None):
     print(f"{'start':<20} {'first frame s':>14} {'compiled after s':>17} {'all graphs s':>13} {'FPS compiling':>14} "
           f"{'FPS compiled':>13}")
     for r in rows:
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        print(f"{r['start']:<20} {r['first_frame_s']:>14.2f} {fmt(r['compiled_after_s'], '>17.1f')} "
-              f"{fmt(r['all_graphs_after_s'], '>13.1f')} {fmt(r['fps_while_compiling'], '>14.1f')} "
-              f"{fmt(r['fps_compiled'], '>13.1f')}")
+        print(f"{r['start']:<20} {r['first_frame_s']:>14.2f} {optional(r['compiled_after_s'], '>17.1f')} "
+              f"{optional(r['all_graphs_after_s'], '>13.1f')} {optional(r['fps_while_compiling'], '>14.1f')} "
+              f"{optional(r['fps_compiled'], '>13.1f')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "rows": rows}, f, indent=1)

@@ -37,6 +37,11 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads{gpu}"
 
 
+def optional(value, spec: str) -> str:
+    """``value`` formatted by ``spec``, or "-" where nothing was measured (None)."""
+    return "-" if value is None else format(value, spec)
+
+
 def synchronizer(device: str):
     """What waits for ``device``'s queued work before a clock is read (a CPU has none queued)."""
     return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)

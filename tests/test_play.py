@@ -164,8 +164,11 @@ def test_the_window_decoding_beside_the_generator_records_the_frames_decoded_in_
                                                                                  compile_background=False)
     pipe = CausvidPipeline.from_checkpoint(settings=settings, verbose=False)
     game = Game(pipe, PlayOptions(scale=1, record=tmp_path / "win.mp4", record_dir=tmp_path,
+                                  save_actions=tmp_path / "saved.jsonl",
                                   replay=load_actions(str(tmp_path / "in.jsonl"), None)))
     assert game.run() == 0 and game.frames_shown == 10
+    # the saved actions, events in place, are the script: each event after the frames made before it
+    assert read_lines(tmp_path / "saved.jsonl") == read_lines(tmp_path / "in.jsonl")
     r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
                         str(tmp_path / "in.jsonl"), "--scale", "1", "--out", str(tmp_path / "head.mp4")],
                        cwd=REPO, env={**NO_OWL, "OWL_COMPILE": "0"}, capture_output=True, text=True,

@@ -36,6 +36,32 @@ def test_two_stages_render_the_single_process_video_across_a_cut_a_bias_change_a
     assert "wrote" in log and "(14 frames)" in log
 
 
+def test_the_window_with_two_stages_records_the_frames_its_saved_actions_render(tmp_path):
+    """Rank 0 owns the window (a replayed script with a restart: a live cut, so the frames in
+    flight are dropped, never shown); its recording is what a single process makes from the
+    actions it saved."""
+    actions = tmp_path / "in.jsonl"
+    actions.write_text("".join(json.dumps(a) + "\n" for a in SCRIPT))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWL_")}, "OWL_DTYPE": "fp32", "OWL_THREADS": "1",
+           "SDL_VIDEODRIVER": "dummy", "SDL_AUDIODRIVER": "dummy"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "inference.game_cv", "--pp", "2", "--replay", str(actions), "--scale", "1",
+                        "--record", str(tmp_path / "win.mp4"), "--save-actions", str(tmp_path / "saved.jsonl")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=time_limit(300))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    saved = [json.loads(line) for line in (tmp_path / "saved.jsonl").read_text().splitlines()]
+    assert {"event": "restart"} in saved and {"event": "bias", "value": -1.0} in saved
+    from inference.video import read_frames
+
+    shown = read_frames(tmp_path / "win.mp4")
+    assert shown.shape[0] == sum("mouse" in x for x in saved) >= 10  # up to a frame or two dropped at the cut
+    q = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions", str(tmp_path / "saved.jsonl"),
+                        "--scale", "1", "--out", str(tmp_path / "head.mp4")], cwd=REPO,
+                       env={**env, "OWL_THREADS": "2"}, capture_output=True, text=True, timeout=time_limit(300))
+    assert q.returncode == 0, q.stderr
+    assert np.array_equal(shown, read_frames(tmp_path / "head.mp4"))
+
+
 def test_snapshots_of_a_two_stage_run_are_refused_with_the_reason():
     from owl_wms.engine import snapshot
 
