@@ -87,11 +87,14 @@ def test_ctrl_c_leaves_a_valid_mp4(tmp_path, decode):
 
 
 def test_decoding_beside_the_generator_renders_the_frames_decoded_in_line(tmp_path):
-    """OWL_DECODE=async: the same frames, beside the simulator, across a restart, a bias change
-    and recomputes that re-encode decoded frames while the decoding thread works."""
+    """OWL_DECODE=async: the same frames, beside the simulator, across a snapshot and its restore,
+    a restart, a bias change and recomputes that re-encode decoded frames while the decoding
+    thread works."""
     items = load_actions("walk_turn", 14)
-    items[5:5] = [{"event": "restart"}]
-    items[9:9] = [{"event": "bias", "value": -1.0}]
+    items[3:3] = [{"event": "snapshot"}]
+    items[6:6] = [{"event": "restart"}]
+    items[10:10] = [{"event": "bias", "value": -1.0}]
+    items[13:13] = [{"event": "restore"}]
     write_action_file(tmp_path / "a.jsonl", items)
     frames = {}
     for decode in ("sync", "async"):
