@@ -16,12 +16,13 @@ The lifecycle contract (docs/pipeline_parallel.md):
 - each result carries the mesh's cache offsets, checked against what rank 0's lifecycle says the
   cache holds (a cache reset on one side only is found at the next frame), and every
   ``check_every`` results both ranks all-gather their lifecycle scalars;
-- a hard cut bumps the epoch; a live game drops the frames still in flight (``live=True``: the
-  old world is never shown after a restart), counting them; a scripted run takes them first.
+- a hard cut bumps the epoch; a live game sends it at once and the frames still in flight are
+  dropped as they arrive (the old world is never shown after a restart), and counted; a script
+  takes them first (``FirstStage.drain``).
 
 Messages are pickled objects (the job's own processes: TP's envelope travels the same way),
-sent with non-blocking sends so neither side waits on the other's receive; at most ``depth``
-envelopes are in flight.
+sent with non-blocking sends so neither side waits on the other's receive; one frame is in
+flight beside the one being decoded (``FirstStage.depth``).
 """
 from __future__ import annotations
 
@@ -80,8 +81,7 @@ def slot_bytes(cfg) -> int:
 def check_plan(plan: StepPlan, n_steps: int) -> None:
     """The sender's check, before any header goes out."""
     if plan.reset and plan.history is None:
-        kind = "recompute" if plan.event == "recompute" else plan.event
-        raise StageError(f"rank 0: the {kind} envelope (call {plan.call_id}) carries no context frames; a reset of the "
+        raise StageError(f"rank 0: the {plan.event} envelope (call {plan.call_id}) carries no context frames; a reset of the "
                          "mesh's cache must bring the frames it rebuilds from (the mesh never falls back to others)")
     if plan.history is not None and (plan.history_mouse is None or plan.history_buttons is None
                                      or plan.history_mouse.shape[0] != plan.history.shape[0]):
