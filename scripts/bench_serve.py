@@ -1,10 +1,12 @@
 """What players of ``python -m inference.serve`` feel, batched against the same sessions stepped
 one by one, in one run on the shipped world.
 
-    python -m scripts.bench_serve [--players 1 2 4 8] [--seconds 10] [--rounds 2] [--compile auto|0] [--json out.json]
+    python -m scripts.bench_serve [--players 1 2 4 8] [--seconds 10] [--rounds 2] [--compile auto|0] [--decode-thread] [--json out.json]
 
 The batched server runs first, then one started with ``--one-by-one`` (each session its own
-model calls, one after another), the same players against each. In a round N websocket players
+model calls, one after another), and with ``--decode-thread`` a batched one with
+``OWL_DECODE=async`` (each step's frames decoded and encoded on a thread beside the model's), the
+same players against each. In a round N websocket players
 on loopback play for --seconds (after a warm-up): each sends controls 20 times a second (a new
 seq each) and reads every frame.
 Reported per players and server: aggregate frames a second, each player's frames a second and
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="measured rounds of each players count on each server")
     p.add_argument("--compile", choices=["auto", "0"], default="auto", help="the servers' OWL_COMPILE")
     p.add_argument("--checkpoint", default=None)
+    p.add_argument("--decode-thread", action="store_true",
+                   help="also a batched server with OWL_DECODE=async (frames decode beside the model thread)")
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None, help="folder for the servers' output (default: a temporary one, printed)")
     args = p.parse_args(argv)
@@ -158,10 +162,12 @@ def main(argv=None) -> int:
     common += ["--checkpoint", args.checkpoint] if args.checkpoint else []
     logs = args.logs or tempfile.mkdtemp(prefix="bench-serve-")
     os.makedirs(logs, exist_ok=True)
-    runs = {(n, mode): [] for n in args.players for mode in ("batched", "one_by_one")}
+    servers = [("batched", [], {}), ("one_by_one", ["--one-by-one"], {})]
+    servers += [("batched_decode_thread", [], {"OWL_DECODE": "async"})] if args.decode_thread else []
+    runs = {(n, mode): [] for n in args.players for mode, _, _ in servers}
     # One server at a time: two servers' thread pools on the same cores measured stalls of seconds.
-    for mode, flags in (("batched", []), ("one_by_one", ["--one-by-one"])):
-        server = ServerProcess(common + flags, env, os.path.join(logs, f"{mode}.log"))
+    for mode, flags, flag_env in servers:
+        server = ServerProcess(common + flags, {**env, **flag_env}, os.path.join(logs, f"{mode}.log"))
         try:
             server.wait_ready()
             if args.compile == "auto":  # the frame call compiles in the background: measure what follows
