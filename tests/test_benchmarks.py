@@ -144,11 +144,12 @@ def test_bench_play_measures_the_window_with_and_without_overlay():
 
 def test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_server(tmp_path):
     out = bench("bench_serve", "--players", 1, 2, "--seconds", 1.5, "--warmup", 0.5, "--rounds", 1, "--compile", 0,
-                "--json", tmp_path / "serve.json")
-    for n, server in ((1, "batched"), (1, "one by one"), (2, "batched"), (2, "one by one")):
-        assert re.search(rf"\| {n} \| {server} \| {NUMBER} \| ", out), out
+                "--decode-thread", "--json", tmp_path / "serve.json")
+    for n in (1, 2):
+        for server in ("batched", "one by one", "batched decode thread"):
+            assert re.search(rf"\| {n} \| {server} \| {NUMBER} \| ", out), out
     rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
-    assert len(rows) == 4 and all(r["aggregate_fps"] > 0 and r["latency_ms_p95"] > 0 for r in rows)
+    assert len(rows) == 6 and all(r["aggregate_fps"] > 0 and r["latency_ms_p95"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("module, args, message", [
