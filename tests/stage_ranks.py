@@ -58,8 +58,8 @@ def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue) -> No
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=20))
-    ctx = ParallelContext(rank, 2, timeout_s=20, check_every=4)
+                            timeout=datetime.timedelta(seconds=60))
+    ctx = ParallelContext(rank, 2, timeout_s=60, check_every=4)  # a hang is the test's limit to catch
     data = None
     try:
         mine = settings(kv_recompute_every=4) if scenario == "plan_mismatch" and rank == 1 else settings()
