@@ -135,5 +135,5 @@ def test_an_unknown_envelope_version_or_a_reset_without_frames_is_refused_before
     with pytest.raises(StageError, match="carries no context frames; the mesh rebuilds its cache only from"):
         Mesh.check(mesh, Envelope(plan))
     with pytest.raises(StageError, match="the cut envelope .* carries no context frames"):
-        check_plan(plan, 2)
+        check_plan(plan, life)
     assert life.call_id == 0  # nothing ran

@@ -151,12 +151,12 @@ class Lifecycle:
         if plan.call_id != self.call_id:
             raise LifecycleError(f"envelope call id {plan.call_id}, expected {self.call_id} (a step was lost "
                                  "or repeated)")
-        local = {"cut": 1, "frame": self.n_steps, "recompute": 1 + self.n_steps, "observe": 1, "stop": 0}
-        if plan.event not in local:
+        local = self.calls_for(plan.event)
+        if local is None:
             raise LifecycleError(f"envelope event {plan.event!r} is unknown")
-        if plan.expected_calls != local[plan.event]:
+        if plan.expected_calls != local:
             raise LifecycleError(f"envelope expects {plan.expected_calls} model calls for {plan.event}; this rank "
-                                 f"plans {local[plan.event]} (its sampler schedule differs)")
+                                 f"plans {local} (its sampler schedule differs)")
         epoch = self.epoch + (plan.event == "cut")
         if plan.epoch != epoch:
             raise LifecycleError(f"envelope epoch {plan.epoch}, this rank is at epoch {self.epoch} "
@@ -165,6 +165,10 @@ class Lifecycle:
             raise LifecycleError(f"envelope frame {plan.frame_index}, this rank is at frame {self.frame_index}")
         if self.phase not in ALLOWED[plan.event]:
             raise LifecycleError(f"envelope {plan.event} arrived in phase {self.phase.value}")
+
+    def calls_for(self, event: str) -> int | None:
+        """The model calls a step of ``event`` makes (None: no such event)."""
+        return {"cut": 1, "frame": self.n_steps, "recompute": 1 + self.n_steps, "observe": 1, "stop": 0}.get(event)
 
     def advance(self, plan: StepPlan) -> None:
         self.call_id += 1

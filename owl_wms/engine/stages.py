@@ -78,7 +78,7 @@ def slot_bytes(cfg) -> int:
     return 8192 + 2 * 4 * cfg.channels * cfg.sample_size * cfg.sample_size
 
 
-def check_plan(plan: StepPlan, n_steps: int) -> None:
+def check_plan(plan: StepPlan, lifecycle: Lifecycle) -> None:
     """The sender's check, before any header goes out."""
     if plan.reset and plan.history is None:
         raise StageError(f"rank 0: the {plan.event} envelope (call {plan.call_id}) carries no context frames; a reset of the "
@@ -89,7 +89,7 @@ def check_plan(plan: StepPlan, n_steps: int) -> None:
                          "context frames but not their controls")
     if plan.generates and (plan.mouse is None or plan.buttons is None):
         raise StageError(f"rank 0: the frame envelope (call {plan.call_id}) has noise but no controls")
-    want = {"cut": 1, "observe": 1, "frame": n_steps, "recompute": 1 + n_steps, "stop": 0}.get(plan.event)
+    want = lifecycle.calls_for(plan.event)
     if want is None or plan.expected_calls != want:
         raise StageError(f"rank 0: the {plan.event!r} envelope (call {plan.call_id}) expects {plan.expected_calls} "
                          f"model calls; a {plan.event} makes {want}")
@@ -219,7 +219,7 @@ class FirstStage:
         return out
 
     def send(self, plan: StepPlan, tag) -> None:
-        check_plan(plan, self.pipe.lifecycle.n_steps)  # before any header goes out
+        check_plan(plan, self.pipe.lifecycle)  # before any header goes out
         self.link.send(Envelope(plan), ENVELOPE_TAG)
         self.pipe.lifecycle.advance(plan)
         self.pending.append((plan, tag, self.pipe.lifecycle.scalars()))
