@@ -81,15 +81,18 @@ class Connection:
     async def run(self) -> None:
         await self.ws.accept()
         sender = asyncio.create_task(self._send_loop())
+        closing = None
         try:
             await self._converse()
         except Closing as exc:
-            self.closing = self.closing or exc
+            closing = exc
         except WebSocketDisconnect:
             pass
         finally:
+            # the session is gone before the page hears the close, so /healthz never counts a closed player
             if self.player is not None and self.scheduler.is_alive():
                 await asyncio.wrap_future(self.scheduler.remove_player(self.player))
+            self.closing = self.closing or closing
             if self.closing is not None:
                 self.wake.set()
                 try:
