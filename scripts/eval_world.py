@@ -7,7 +7,13 @@ Writes eval.json, psnr_curve.png, rollouts.png (the first --sheet-episodes level
 real frames so far, and its autoregressive rollout, one row each) and turns.png (the same rows
 for those levels walked forward under the turn diagnostic's held turns, right then left). A
 sharp teacher-forced row over a blurred rollout says the model knows the next frame but drifts
-on its own frames.
+on its own frames. walk_and_turn.png and turn_in_place.png show the same levels playing the
+walk_turn and turn scripts (--script-frames), the simulator above the model.
+
+What a player would see is scored per rollout frame: the layout score (PSNR of 4x4-block means,
+so blur does not count against it) and the sharpness ratio (the model frame's high-frequency
+energy over the simulator's; a smooth band of colour scores near 0), for the held-out rollouts
+and for the two scripts.
 
 Teacher-forced next-frame PSNR/SSIM, autoregressive PSNR/SSIM per frame index, the action
 sensitivity gap (true actions minus another episode's, over --gap-range), and optionally
@@ -32,13 +38,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from inference.actions import load_actions
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from inference.flags import resolve_settings, with_threads
 from owl_wms.config import load_world
 from owl_wms.maze.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.maze.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
-                                 simulator_responses, standard_error, teacher_forced, turn_following,
+                                 scripted_rollout, simulator_responses, standard_error, teacher_forced, turn_following,
                                  turn_following_summary)
+
+# scripted rollouts scored frame by frame beside the simulator (inference.actions' built-in scripts)
+SCRIPTS = {"walk_turn": "walk_and_turn", "turn": "turn_in_place"}
+SHARP_ENOUGH = 0.5  # a frame below this sharpness ratio is a smooth smear, not the simulator's view
 
 
 def fmt(share: float | None) -> str:
@@ -47,6 +58,16 @@ def fmt(share: float | None) -> str:
 
 def mean_curve(runs: list[list[tuple[float, float]]], i: int) -> list[float]:
     return [float(np.mean([r[k][i] for r in runs])) for k in range(len(runs[0]))]
+
+
+def script_summary(runs: list[list[tuple[float, ...]]]) -> dict:
+    """A scripted rollout's figures over levels: per-frame means, the least sharp frame, and how
+    many frames (over all levels) fall below ``SHARP_ENOUGH``."""
+    return {"psnr": mean_curve(runs, 0), "layout_psnr": mean_curve(runs, 2), "sharpness_ratio": mean_curve(runs, 3),
+            "sharpness_ratio_min": float(min(x[3] for r in runs for x in r)),
+            "sharpness_ratio_min_per_level": [float(min(x[3] for x in r)) for r in runs],
+            "frames_below_sharp_enough": int(sum(x[3] < SHARP_ENOUGH for r in runs for x in r)),
+            "frames": len(runs[0])}
 
 
 def main(argv=None):
@@ -70,12 +91,17 @@ def main(argv=None):
     p.add_argument("--sheet-episodes", type=int, default=4,
                    help="episodes shown in rollouts.png and turns.png (simulator, teacher-forced, autoregressive)")
     p.add_argument("--sheet-every", type=int, default=4, help="frame step between rollouts.png columns")
+    p.add_argument("--script-frames", type=int, default=64,
+                   help="frames of the walk_turn and turn scripts played from each level's history beside the "
+                        "simulator (sharpness ratio and layout per frame; walk_and_turn.png, turn_in_place.png)")
     p.add_argument("--euler-steps", type=int, default=0, help="also score an N-step Euler sampler (0: skip)")
     p.add_argument("--schedule", type=float, nargs="+", default=None,
                    help="sampler noise levels from 1 to 0 (default: the checkpoint's; the cache is written "
                         "at the last step), e.g. many Euler steps to the cache-write level to score a teacher")
     p.add_argument("--out", default="eval")
     args = p.parse_args(argv)
+    if args.script_frames < 1:
+        p.error(f"--script-frames {args.script_frames}: must be >= 1")
     if args.rest_frames < 0:
         p.error(f"--rest-frames {args.rest_frames}: must be >= 0 (0 skips the at-rest diagnostic)")
     out = Path(args.out)
@@ -92,6 +118,9 @@ def main(argv=None):
     eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy) for s in tqdm(seeds, desc="episodes", unit="ep")]
     ar, tf, other, response, euler, sim, turns, sheet, turn_sheet = [], [], [], [], [], [], [], [], []
     rest, nudged = [], []
+    scripted = {name: [] for name in SCRIPTS}
+    script_sheets = {name: [] for name in SCRIPTS}
+    actions = {name: [(m, b) for m, b in load_actions(name, args.script_frames)] for name in SCRIPTS}
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
         foreign = eps[(i + 1) % len(eps)]
         predicted = []
@@ -107,6 +136,9 @@ def main(argv=None):
         sim.append(simulator_responses(ep, foreign, args.tf_frames, (lo, hi)))
         shown = turn_sheet if i < args.sheet_episodes else None
         turns += [turn_following(pipe, ep, d * args.turn_dx, args.turn_frames, shown) for d in (1, -1)]
+        for name in SCRIPTS:
+            shown = script_sheets[name] if i < args.sheet_episodes else None
+            scripted[name].append(scripted_rollout(pipe, ep, actions[name], shown))
         if args.rest_frames:
             walk = [1.0] + [0.0] * 10
             rest.append(held_controls_psnr(pipe, ep, [0.0, 0.0], walk, args.rest_frames))
@@ -126,6 +158,8 @@ def main(argv=None):
                                    for a, o in zip(ar, other)]}
     if len(ar_psnr) >= 16:
         per_level["ar_psnr_at_16"] = [r[15][0] for r in ar]
+    if len(ar_psnr) >= 64:
+        per_level["layout_psnr_at_64"] = [r[63][2] for r in ar]
     report = {
         "command": " ".join(["python -m scripts.eval_world", *sys.argv[1:]]),
         "checkpoint": args.checkpoint, "weights": args.weights, "world": pipe.world.name, "seeds": seeds,
@@ -134,6 +168,13 @@ def main(argv=None):
         "teacher_forced_ssim": float(np.mean([x[1] for r in tf for x in r])),
         "ar_psnr": ar_psnr, "ar_ssim": ar_ssim,
         "ar_psnr_at_16": ar_psnr[15] if len(ar_psnr) >= 16 else None,
+        # what a player sees: where things are (PSNR of 4x4-block means, blur not counted) and how
+        # sharp the frame is against the simulator's (high-frequency energy ratio), frame by frame
+        "ar_layout_psnr": mean_curve(ar, 2), "ar_sharpness_ratio": mean_curve(ar, 3),
+        "layout_psnr_at_64": mean_curve(ar, 2)[63] if len(ar_psnr) >= 64 else None,
+        **{SCRIPTS[name]: script_summary(runs) for name, runs in scripted.items()},
+        "walk_and_turn_sharpness_min": script_summary(scripted["walk_turn"])["sharpness_ratio_min"],
+        "sharp_enough": SHARP_ENOUGH,
         "action_gap_db": true_gap - other_gap, "gap_range": [lo, hi],
         "ar_psnr_gap_range": true_gap, "ar_psnr_foreign_actions_gap_range": other_gap,
         "per_level": per_level, "standard_error": {k: standard_error(v) for k, v in per_level.items()},
@@ -177,6 +218,8 @@ def main(argv=None):
     if sheet:
         plt.imsave(out / "rollouts.png", rollout_sheet(sheet, args.sheet_every))
         plt.imsave(out / "turns.png", rollout_sheet(turn_sheet, report["turn_sheet_every"]))
+        for name, rows in script_sheets.items():
+            plt.imsave(out / f"{SCRIPTS[name]}.png", rollout_sheet(rows, args.sheet_every))
     se = report["standard_error"]
     print(f"teacher-forced PSNR {report['teacher_forced_psnr']:.2f} ± {se['teacher_forced_psnr']:.2f} dB, "
           f"SSIM {report['teacher_forced_ssim']:.3f}; AR PSNR@16 {report['ar_psnr_at_16'] or float('nan'):.2f} ± "
@@ -190,6 +233,9 @@ def main(argv=None):
           f"teacher-forced {report['turn_following_teacher_forced']:.2f} (in the open "
           f"{fmt(report['turn_following_teacher_forced_open'])}, at a near wall "
           f"{fmt(report['turn_following_teacher_forced_near_wall'])}); "
+          f"layout@64 {fmt(report['layout_psnr_at_64'])} dB; walk and turn: sharpness ratio min "
+          f"{report['walk_and_turn_sharpness_min']:.2f}, {report['walk_and_turn']['frames_below_sharp_enough']} frames "
+          f"below {SHARP_ENOUGH:g}; "
           + (f"walking with the mouse at rest {report['rest_walk_psnr']:.2f} dB, barely moving "
              f"{report['nudged_walk_psnr']:.2f} dB" if args.rest_frames else "at-rest diagnostic skipped (--rest-frames 0)")
           + f" -> {out}")

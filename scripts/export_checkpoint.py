@@ -172,7 +172,8 @@ def data_rows(data: dict, train: dict) -> tuple[str, str]:
     def rows(d: dict) -> tuple[str, str]:
         corridor = d["options"]["corridor"]
         return (f"{d['episodes'] or '?'} episodes x {d['frames'] or '?'} frames, {d['options']['policy']} policy, "
-                f"corridors {corridor} grid unit{'s' if corridor > 1 else ''} wide, {minutes(d['generate'])}",
+                f"corridors {corridor} grid unit{'s' if corridor > 1 else ''} wide, "
+                f"{d['options'].get('look', 'brick')} walls, {minutes(d['generate'])}",
                 f"vae_scale (latent std) {d['vae_scale']:.4f}, {minutes(d['encode'])}")
     data_row, encode_row = rows(data)
     base = train.get("base", {}).get("data") if train.get("init") else None
@@ -319,6 +320,14 @@ def main(argv=None):
             lines += [f"| teacher-forced PSNR, {euler.removeprefix('teacher_forced_psnr_euler')}-step Euler | "
                       f"{ev[euler]:.2f} dB (two-step minus Euler: {ev['teacher_forced_psnr'] - ev[euler]:+.2f} dB) |"]
         lines += [f"| autoregressive PSNR at frame 16 | {db(ev, 'ar_psnr_at_16')} (target >= 18 dB) |",
+                  *([f"| layout score at frame 64 (PSNR of 4x4-block means: where things are, blur not counted) | "
+                     f"{db(ev, 'layout_psnr_at_64')} |"] if ev.get("layout_psnr_at_64") is not None else []),
+                  *([f"| walk and turn ({ev['walk_and_turn']['frames']} frames of the walk_turn script beside the "
+                     f"simulator): the least sharp frame's sharpness ratio (high-frequency energy, model over "
+                     f"simulator) | {ev['walk_and_turn']['sharpness_ratio_min']:.2f} "
+                     f"({ev['walk_and_turn']['frames_below_sharp_enough']} frames below {ev['sharp_enough']:g}; "
+                     f"turn in place: {ev['turn_in_place']['sharpness_ratio_min']:.2f}) |"]
+                    if "walk_and_turn" in ev else []),
                   f"| action sensitivity gap, frames {ev['gap_range'][0]}-{ev['gap_range'][1]} | "
                   f"{db(ev, 'action_gap_db')} (target >= 1.5 dB) |",
                   *([f"| diagnostic: repeat the last real frame (no model), teacher-forced | "
@@ -344,7 +353,8 @@ def main(argv=None):
                   f"| held-out level seeds | {ev['seeds'][0]}..{ev['seeds'][-1]} (training used 0..{manifest.get('episodes', 256) - 1})"
                   f"{'; ± is one standard error of the mean over these levels' if 'standard_error' in ev else ''} |",
                   "", f"Evaluation command: `{ev['command']}`; per-frame curve: `eval_curve.png`."]
-        curve, sheet, turns = (Path(args.eval).with_name(n) for n in ("psnr_curve.png", "rollouts.png", "turns.png"))
+        curve, sheet, turns, walk, spin = (Path(args.eval).with_name(n) for n in (
+            "psnr_curve.png", "rollouts.png", "turns.png", "walk_and_turn.png", "turn_in_place.png"))
         if curve.is_file():
             shutil.copyfile(curve, out / "eval_curve.png")
         rows = (", ".join(ev["sheet_rows"]) + ", one row each, top to bottom") if "sheet_rows" in ev \
@@ -358,6 +368,12 @@ def main(argv=None):
             lines += [f"The turn diagnostic on the same levels, walking forward with the mouse held at "
                       f"{ev['turn_dx']:+g} and then {-ev['turn_dx']:+g} ({ev.get('turn_frames', 16)} frames each, "
                       f"one in {ev['turn_sheet_every']}; {rows}): `eval_turns.png`."]
+        for image, name, what in ((walk, "eval_walk_and_turn.png", "walking, then turning right while walking"),
+                                  (spin, "eval_turn_in_place.png", "turning right in place")):
+            if image.is_file():
+                shutil.copyfile(image, out / name)
+                lines += [f"The same levels played by a script, {what}, one frame in {ev.get('sheet_every', 4)} "
+                          f"(the simulator above the model): `{name}`."]
     (out / "MODEL.md").write_text("\n".join(lines) + "\n")
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     print(f"exported {out} ({size_mb:.1f} MB)")

@@ -1,6 +1,6 @@
 """Stage 1: simulator episodes (frames + actions) for training.
 
-    python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0] [--policy explore] [--corridor 1]
+    python -m scripts.generate_data --out work/data --episodes 256 --frames 256 [--seed 0] [--policy explore] [--corridor 1] [--look brick]
 
 ``--policy still+explore`` mixes styles: episode k (level seed - seed) takes style k mod their number.
 
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from owl_wms.maze.data import (EPISODE_OPTIONS, POLICY_STYLES, episode_options, episode_style, policy_mixture, rollout_episode,
                           wall_ahead)
-from owl_wms.maze.simulator import SimConfig
+from owl_wms.maze.simulator import LOOKS, SimConfig
 from owl_wms.maze.training import file_stage_clock
 
 
@@ -56,6 +56,9 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=64, help="frame width = height")
     p.add_argument("--corridor", type=int, default=EPISODE_OPTIONS["corridor"],
                    help="floor width of the maze's corridors in grid units (owl_wms.maze.simulator.SimConfig.corridor)")
+    p.add_argument("--look", default=EPISODE_OPTIONS["look"], choices=LOOKS,
+                   help="how walls and floor are drawn (owl_wms.maze.simulator.LOOKS): brick texture, or flat shaded "
+                        "walls and a one-unit floor checker")
     p.add_argument("--policy", default=EPISODE_OPTIONS["policy"],
                    help=f"mouse style of the exploring policy (owl_wms.maze.data): one of {sorted(POLICY_STYLES)}, or "
                         "several joined by '+' that episodes take in turn (still+explore: even episodes still, odd "
@@ -69,7 +72,7 @@ def main(argv=None):
     except ValueError as exc:
         p.error(f"--policy: {exc}")
     try:
-        cfg = SimConfig(width=args.size, height=args.size, corridor=args.corridor)
+        cfg = SimConfig(width=args.size, height=args.size, corridor=args.corridor, look=args.look)
     except ValueError as exc:
         p.error(str(exc))
     out = Path(args.out)
@@ -79,7 +82,7 @@ def main(argv=None):
     if before:  # resuming: never mix episodes of two policies or sizes in one folder
         made = {**before, **episode_options(before)}
         for key, now in (("policy", args.policy), ("size", args.size), ("frames", args.frames),
-                         ("corridor", args.corridor)):
+                         ("corridor", args.corridor), ("look", args.look)):
             if made.get(key) != now:
                 raise SystemExit(f"error: {out} holds episodes made with --{key} {made.get(key)}; this run asks "
                                  f"for {now}. Use another --out, or delete {out} to start over")
@@ -98,7 +101,7 @@ def main(argv=None):
     bar.close()
     manifest.write_text(json.dumps({
         "episodes": args.episodes, "frames": args.frames, "size": args.size, "first_seed": args.seed, "policy": args.policy,
-        "corridor": args.corridor, "supersample": cfg.supersample, **stage_time()}, indent=2))
+        "corridor": args.corridor, "look": args.look, "supersample": cfg.supersample, **stage_time()}, indent=2))
     print(f"{args.episodes} episodes of {args.frames} frames in {out}")
 
 

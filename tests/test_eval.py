@@ -3,8 +3,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
-from owl_wms.maze.evaluation import frame_metrics, standard_error
+from owl_wms.maze.evaluation import frame_metrics, layout_psnr, sharpness, sharpness_ratio, standard_error
+from owl_wms.maze.simulator import MazeSim
 
 
 def test_frame_metrics_known_values():
@@ -15,6 +17,24 @@ def test_frame_metrics_known_values():
     b = np.clip(a.astype(int) + 8, 0, 255).astype(np.uint8)
     mse = ((a.astype(float) - b) ** 2).mean()
     assert abs(frame_metrics(a, b)[0] - 10 * np.log10(255**2 / mse)) < 1e-3
+
+
+def test_layout_forgives_blur_and_sharpness_sees_it():
+    frame = MazeSim(3).render()
+    t = torch.from_numpy(frame).permute(2, 0, 1)[None].float()
+    blurred = torch.nn.functional.avg_pool2d(t, 5, stride=1, padding=2, count_include_pad=False)
+    blurred = blurred[0].permute(1, 2, 0).round().clamp(0, 255).byte().numpy()
+    assert sharpness_ratio(frame, frame) == 1.0 and layout_psnr(frame, frame) > 90
+    assert sharpness_ratio(blurred, frame) < 0.3  # the blur the rollouts show scores low...
+    assert layout_psnr(blurred, frame) > frame_metrics(blurred, frame)[0] + 5  # ...and barely counts in layout
+    flat = np.full_like(frame, 128)
+    assert sharpness(flat) == 0.0 and sharpness_ratio(flat, frame) == 0.0
+    # layout still sees a wall where the simulator has none: the frame mirrored left to right
+    assert layout_psnr(frame[:, ::-1], frame) < layout_psnr(blurred, frame) - 5
+    # the Laplacian's energy, by hand, on a single bright pixel: 16 at it, 1 at its 4 neighbours
+    dot = np.zeros((5, 5, 3), np.uint8)
+    dot[2, 2] = 255
+    assert abs(sharpness(dot) - 255**2 * (16 + 4) / 9) < 1e-3
 
 
 def test_standard_error_of_per_level_figures():
@@ -34,7 +54,7 @@ def test_eval_command_on_two_short_episodes(tmp_path, fp32):
     from scripts import eval_world
 
     eval_world.main(["--episodes", "2", "--frames", "5", "--tf-frames", "3", "--gap-range", "2", "5",
-                     "--euler-steps", "3", "--out", str(tmp_path)])
+                     "--euler-steps", "3", "--script-frames", "8", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "eval.json").read_text())
     assert len(report["ar_psnr"]) == 5 and len(report["ar_ssim"]) == 5 and report["seeds"][0] >= 1_000_000
     assert all(np.isfinite(report[k]) for k in ("teacher_forced_psnr", "teacher_forced_ssim", "action_gap_db",
@@ -73,6 +93,19 @@ def test_eval_command_on_two_short_episodes(tmp_path, fp32):
     # one step from the simulator's frames, the shipped world turns the view the simulator's way
     assert report["turn_shift_teacher_forced"] > 0
     assert report["turn_following_teacher_forced"] == report["turn_shift_teacher_forced"] / report["turn_shift_sim"]
+    # what a player sees, per frame: layout and sharpness of the rollouts and of the two scripts
+    assert len(report["ar_layout_psnr"]) == len(report["ar_sharpness_ratio"]) == 5
+    assert all(layout > psnr for layout, psnr in zip(report["ar_layout_psnr"], report["ar_psnr"]))
+    assert report["layout_psnr_at_64"] is None  # 5 frames
+    for name in ("walk_and_turn", "turn_in_place"):
+        scripted = report[name]
+        assert scripted["frames"] == 8 and len(scripted["sharpness_ratio"]) == 8
+        assert 0 < scripted["sharpness_ratio_min"] == min(scripted["sharpness_ratio_min_per_level"]) \
+            <= min(scripted["sharpness_ratio"])
+        assert 0 <= scripted["frames_below_sharp_enough"] <= 16
+        image = matplotlib.image.imread(tmp_path / f"{name}.png")  # 2 levels x (simulator, model), frames 1, 5
+        assert image.shape[:2] == (2 * 2 * 64 + 2, 2 * 64)
+    assert report["walk_and_turn_sharpness_min"] == report["walk_and_turn"]["sharpness_ratio_min"]
 
 
 def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32):

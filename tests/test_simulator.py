@@ -309,3 +309,26 @@ def test_wide_corridors_show_walls_further_away():
     assert wide["corridor"] == 2
     assert wide["steady_median_wall"] > 1.15 * narrow["steady_median_wall"]
     assert wide["steady_near_share"] < narrow["steady_near_share"]
+
+
+def test_the_flat_look_draws_the_same_levels_with_far_less_fine_texture():
+    from owl_wms.maze.evaluation import sharpness
+
+    ratios = []
+    for seed in range(4):
+        brick = MazeSim(seed, SimConfig(corridor=2))
+        flat = MazeSim(seed, SimConfig(corridor=2, look="flat"))
+        assert np.array_equal(brick.grid, flat.grid) and brick.state == flat.state  # the level and the start
+        for mouse, buttons in [([0, 0], NONE)] + [([0, 0], press(W))] * 6 + [([4, 0], press(W))] * 6:
+            a, b = brick.step(mouse, buttons), flat.step(mouse, buttons)
+            assert brick.state == flat.state  # the same play: only the drawing differs
+            ratios.append(sharpness(b) / sharpness(a))
+    assert np.median(ratios) < 0.6  # the mortar and the half-unit checker were most of the fine detail
+    # walking and turning visibly change the flat view too
+    sim = MazeSim(2, SimConfig(look="flat"))
+    before = sim.step([0, 0], NONE)
+    assert column_shift(before, sim.step([3, 0], NONE)) < 0
+    walked = [sim.step([0, 0], press(W)) for _ in range(5)][-1]
+    assert np.abs(walked.astype(int) - before.astype(int)).mean() > 3
+    with pytest.raises(ValueError, match="look must be one of brick, flat, got 'tiles'"):
+        SimConfig(look="tiles")

@@ -29,7 +29,7 @@ HELD_OUT_SEED = 1_000_000  # level seeds at or above this are never used for tra
 
 # generate_data's options that change what episodes show, and their defaults (what a manifest
 # written before the option existed holds): the policy's style and SimConfig's corridor width
-EPISODE_OPTIONS = {"policy": "explore", "corridor": 1}
+EPISODE_OPTIONS = {"policy": "explore", "corridor": 1, "look": "brick"}
 
 
 def episode_options(manifest: dict) -> dict:

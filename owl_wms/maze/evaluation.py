@@ -37,6 +37,36 @@ def frame_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float]:
             float(structural_similarity_index_measure(p, r, data_range=255.0)))
 
 
+LAYOUT_FACTOR = 4  # the layout score compares frames averaged over 4x4 pixel blocks
+LAPLACIAN = torch.tensor([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]])
+
+
+def layout_psnr(pred: np.ndarray, real: np.ndarray, factor: int = LAYOUT_FACTOR) -> float:
+    """PSNR (dB) of two uint8 HxWx3 frames averaged over ``factor`` x ``factor`` blocks: whether
+    the walls, openings and floor are where the simulator has them, with blur not counted."""
+    p, r = (torch.nn.functional.avg_pool2d(torch.from_numpy(np.ascontiguousarray(f)).permute(2, 0, 1)[None].float(),
+                                           factor) for f in (pred, real))
+    return float(peak_signal_noise_ratio(p, r, data_range=255.0))
+
+
+def sharpness(frame: np.ndarray) -> float:
+    """High-frequency energy of a uint8 HxWx3 frame: the mean squared Laplacian of its grey
+    levels (edges, texture; a smooth band of one colour has almost none)."""
+    grey = torch.from_numpy(np.ascontiguousarray(frame)).float().mean(-1)[None, None]
+    return float(torch.nn.functional.conv2d(grey, LAPLACIAN[None, None]).pow(2).mean())
+
+
+def sharpness_ratio(pred: np.ndarray, real: np.ndarray) -> float:
+    """The model frame's high-frequency energy over the simulator frame's (1: as sharp; a blurred
+    rollout falls towards 0)."""
+    return sharpness(pred) / max(sharpness(real), 1e-6)
+
+
+def rollout_metrics(pred: np.ndarray, real: np.ndarray) -> tuple[float, float, float, float]:
+    """PSNR, SSIM, layout PSNR and sharpness ratio of a generated frame against the real one."""
+    return (*frame_metrics(pred, real), layout_psnr(pred, real), sharpness_ratio(pred, real))
+
+
 def standard_error(values) -> float:
     """Standard error of the mean of per-level figures: levels differ far more than frames of one
     level do, so a figure over 8 levels moves by this much from one set of levels to another."""
@@ -58,19 +88,35 @@ class Episode:
 
 
 def autoregressive(pipe, ep: Episode, n: int, actions: Episode | None = None,
-                   frames: list | None = None) -> list[tuple[float, float]]:
-    """Metrics per frame index 1..n; ``actions`` substitutes another episode's controls;
-    ``frames``, when given, receives the predicted uint8 frames."""
+                   frames: list | None = None) -> list[tuple[float, float, float, float]]:
+    """``rollout_metrics`` per frame index 1..n; ``actions`` substitutes another episode's
+    controls; ``frames``, when given, receives the predicted uint8 frames."""
     pipe.load_clip(ep.clip)
     src = actions or ep
     out = []
     for k in range(n):
         _, m, b = src.future(k)
         frame, _ = pipe(m, b)
-        out.append(frame_metrics(frame.numpy(), ep.future(k)[0]))
+        out.append(rollout_metrics(frame.numpy(), ep.future(k)[0]))
         if frames is not None:
             frames.append(frame.numpy())
     return out
+
+
+def scripted_rollout(pipe, ep: Episode, actions: list, frames: list | None = None) -> list[tuple[float, ...]]:
+    """``rollout_metrics`` per frame of the model playing ``actions`` ((mouse, buttons) pairs, as
+    ``inference.actions`` scripts them) from the episode's real history, against the simulator
+    playing them from the same state; ``frames``, when given, receives (simulator's, model's)
+    frames [n, H, W, 3]."""
+    sim = replay(ep, ep.window)
+    pipe.load_clip(ep.clip)
+    real, made = [], []
+    for mouse, buttons in actions:
+        made.append(pipe(mouse, buttons)[0].numpy())
+        real.append(sim.step(mouse, buttons))
+    if frames is not None:
+        frames.append((np.stack(real), np.stack(made)))
+    return [rollout_metrics(m, r) for m, r in zip(made, real)]
 
 
 def rollout_sheet(rows: list[tuple[np.ndarray, ...]], every: int, gap: int = 2) -> np.ndarray:

@@ -28,6 +28,10 @@ PALETTES = np.array([
 ])
 DOOR_COLOR = np.array([0.45, 0.28, 0.12])
 SWITCH_COLOR = np.array([0.95, 0.85, 0.10])
+# How walls and floor are drawn: "brick" (mortar lines, a half-unit floor checker: the first worlds)
+# or "flat" (plain shaded walls with a seam where wall units meet, a one-unit floor checker): the
+# same levels with far less fine texture, which a small autoencoder and world model can keep.
+LOOKS = ("brick", "flat")
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,11 @@ class SimConfig:
     door_prob: float = 0.12
     switch_prob: float = 0.08
     supersample: int = 2  # render at this multiple and box-filter down: no aliased mortar/checker speckle
+    look: str = "brick"  # one of LOOKS
 
     def __post_init__(self):
+        if self.look not in LOOKS:
+            raise ValueError(f"SimConfig.look must be one of {', '.join(LOOKS)}, got {self.look!r}")
         for name in ("width", "height", "maze_cells", "corridor", "supersample"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -276,11 +283,13 @@ class MazeSim:
         base = PALETTES[s.palette][self.kinds[mx, my]]
         base = np.where((cell == DOOR)[:, None], DOOR_COLOR, base)
         base = np.where((cell == SWITCH)[:, None], SWITCH_COLOR, base)
-        # Brick texture: mortar lines every 1/4 height, staggered vertical joints.
-        course = np.floor(v * 4)
-        mortar = (np.abs(v * 4 - np.round(v * 4)) < 0.08) | (np.abs(((u * 2 + course * 0.5) % 1) - 0.5) > 0.46)
         door_panel = (cell == DOOR) & ((np.abs(u - 0.5) < 0.3) & (np.abs(v - 0.5) < 0.35))
-        tex = np.where(mortar, 0.55, 1.0) * np.where(door_panel, 0.7, 1.0)
+        if c.look == "brick":  # mortar lines every 1/4 height, staggered vertical joints
+            course = np.floor(v * 4)
+            mortar = (np.abs(v * 4 - np.round(v * 4)) < 0.08) | (np.abs(((u * 2 + course * 0.5) % 1) - 0.5) > 0.46)
+        else:  # a seam where one wall unit meets the next, so a wall of one colour still slides when turning
+            mortar = np.broadcast_to(np.minimum(u, 1 - u) < 0.04, v.shape)
+        tex = np.where(mortar, 0.55 if c.look == "brick" else 0.8, 1.0) * np.where(door_panel, 0.7, 1.0)
         shade = np.where(side == 1, 0.78, 1.0) / (1 + 0.16 * dist)
 
         # Floor and ceiling: project each pixel to the ground/ceiling plane (checkerboard floor).
@@ -288,7 +297,8 @@ class MazeSim:
         rel = np.where(below, rows - horizon, horizon - rows) + 1e-6
         plane_d = np.where(below, eye, 1 - eye) * focal / rel / np.cos(ang - s.yaw)
         gx, gy = s.x + np.cos(ang) * plane_d, s.y + np.sin(ang) * plane_d
-        checker = ((np.floor(gx * 2) + np.floor(gy * 2)) % 2)
+        tiles = 2 if c.look == "brick" else 1  # floor tiles per grid unit
+        checker = ((np.floor(gx * tiles) + np.floor(gy * tiles)) % 2)
         floor = np.stack([0.34 + 0.1 * checker, 0.30 + 0.08 * checker, 0.26 + 0.05 * checker], -1)
         ceil = np.stack([0.18 + 0 * gx, 0.20 + 0 * gx, 0.28 + 0 * gx], -1)
         plane_shade = 1 / (1 + 0.16 * plane_d * np.cos(ang - s.yaw))
