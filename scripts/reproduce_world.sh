@@ -8,6 +8,9 @@
 # this run trained. Stage wall times go to work/chain_times.tsv, with the machine on its first lines
 # and the total on its last. Every stage resumes, so a rerun after an interruption carries on
 # (a finished stage then takes seconds; its time in the table is that rerun's).
+# PIECE_SECONDS=9000 runs the chain in pieces of at most 2.5 hours: when the budget is spent the
+# running stage saves where it is and the script exits 75; the same command again is the next piece,
+# and the table records each piece's time (scripts/stage_times.sh).
 # DEVICE=cuda passes --device cuda to the stages that take it; PYTHON picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from owl_wms.config import ConfigError
 from owl_wms.controls import to_unit
-from owl_wms.maze.training import RunLog, load_training_state, save_training_state, warmup_cosine
+from owl_wms.maze.training import STOPPED, RunLog, StopSignal, load_training_state, save_training_state, warmup_cosine
 from owl_wms.maze.training.vae import build_autoencoder, load_frames, psnr, vae_loss
 from owl_wms.vae import load_autoencoder
 
@@ -98,22 +98,28 @@ def main(argv=None):
         return score
 
     bar = tqdm(total=args.steps, initial=step, desc="vae", unit="step")
-    while step < args.steps:
-        idx = torch.randint(0, train.shape[0], (args.batch,), generator=gen)
-        x = to_unit(train[idx]).to(args.device).contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=not args.fp32):
-            loss, _ = vae_loss(ae, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.5f}")
-        if step % args.save_every == 0 or step == args.steps:
-            save_training_state(state_path, step, gen, clock.runs(step), model=ae, opt=opt, sched=sched)
-            bar.write(f"step {step}: held-out PSNR {evaluate():.2f} dB")
+    with StopSignal() as stop:
+        while step < args.steps and not stop.requested:
+            idx = torch.randint(0, train.shape[0], (args.batch,), generator=gen)
+            x = to_unit(train[idx]).to(args.device).contiguous(memory_format=torch.channels_last)
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=not args.fp32):
+                loss, _ = vae_loss(ae, x)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.5f}")
+            if step % args.save_every == 0 or step == args.steps:
+                save_training_state(state_path, step, gen, clock.runs(step), model=ae, opt=opt, sched=sched)
+                bar.write(f"step {step}: held-out PSNR {evaluate():.2f} dB")
+            elif stop.requested:
+                save_training_state(state_path, step, gen, clock.runs(step), model=ae, opt=opt, sched=sched)
     bar.close()
+    if step < args.steps:  # stopped by a signal: the state is saved at this step
+        print(f"stopped at step {step} of {args.steps}; the state is saved: run the same command again to resume")
+        raise SystemExit(STOPPED)
     val_psnr = evaluate()
     ae.save_pretrained(str(out / "final"))
     (out / "final" / "metrics.json").write_text(json.dumps({

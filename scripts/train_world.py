@@ -22,14 +22,14 @@ from tqdm import tqdm
 from owl_wms.config import load_config
 from owl_wms.loading import load_weights, read_state_dict
 from owl_wms.model import GameRFT
-from owl_wms.maze.training import (DEFAULT_WORLD_CONFIG, WORLD_RECORD, RunLog, load_training_state, save_training_state,
-                              warmup_cosine)
+from owl_wms.maze.training import (DEFAULT_WORLD_CONFIG, WORLD_RECORD, STOPPED, RunLog, StopSignal, load_training_state,
+                              save_training_state, warmup_cosine)
 from owl_wms.maze.training.world import LatentEpisodes, sample_times, train_step, world_trainer
 
 
 # Flags that change what is trained (not where it is read, written or run), so MODEL.md's
 # recipe repeats the ones a run set away from their defaults.
-RECIPE_FLAGS = ("config", "frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "distill", "seed", "init",
+RECIPE_FLAGS = ("config", "frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "self_rollout", "distill", "seed", "init",
                 "fp32", "compile", "open_turn_weight", "seconds")
 
 
@@ -88,6 +88,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--self-history", type=float, default=0.0,
                    help="chance that each streaming-history frame of a pipeline-shaped sample is "
                         "replaced by the model's own sample, as the pipeline caches it (exposure bias)")
+    p.add_argument("--self-rollout", type=int, default=0, metavar="K",
+                   help="in every pipeline-shaped sample the last K history frames are the model's own rollout, "
+                        "made one after the other with the pipeline's sampler (self-generated history, as in "
+                        "Self-Forcing); they are left out of the loss (0: off)")
     p.add_argument("--distill", type=int, default=0, metavar="STEPS",
                    help="with --init: step distillation of the sampler's first step; its target is the "
                         "--init model's STEPS-step Euler solve to the next level (0: off)")
@@ -119,10 +123,13 @@ def main(argv=None):
     if init is not None and init.model != world.model:
         raise SystemExit(f"error: --init {args.init} holds a model unlike --config {args.config}'s; "
                          f"pass that checkpoint's config.yaml as --config")
-    if args.self_history and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
-        raise SystemExit(f"error: --self-history needs the history level (pipeline.history_alpha "
+    if args.self_rollout < 0:
+        raise SystemExit(f"error: --self-rollout {args.self_rollout} must be a number of history frames (> 0) or 0 "
+                         "for off")
+    if (args.self_history or args.self_rollout) and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
+        raise SystemExit(f"error: --self-history and --self-rollout need the history level (pipeline.history_alpha "
                          f"{world.pipeline.history_alpha}) to be the schedule's cache-write level "
-                         f"{world.pipeline.schedule[-2]}; drop --self-history or align the config")
+                         f"{world.pipeline.schedule[-2]}; drop them or align the config")
     if args.distill < 0:
         raise SystemExit(f"error: --distill {args.distill} must be a number of Euler steps (> 0) or 0 for off")
     if args.distill and init is None:
@@ -170,27 +177,31 @@ def train(p, args, world, init, data, frames: int, vae_scale: float):
     losses = []
     bar = tqdm(total=args.steps, initial=step, desc="world", unit="step")
     budget = StepBudget(args.seconds, step) if args.seconds else None
-    while step < args.steps:
-        x, m, b = data.batch(args.batch, gen)
-        t = sample_times(x.shape[0], x.shape[1], gen, args.pipeline_frac, world.pipeline.history_alpha,
-                         world.pipeline.schedule, args.target_frac)
-        loss = train_step(model, ema, opt, sched, x.to(args.device), m.to(args.device), b.to(args.device), t, gen,
-                          args.ema, bf16=not args.fp32, self_history_share=args.self_history,
-                          schedule=tuple(world.pipeline.schedule), teacher=teacher.core if teacher else None,
-                          teacher_steps=args.distill)
-        step += 1
-        losses.append(loss.item())
-        if budget is not None and budget.fit(step, args.steps) is not None:
-            args.steps = budget.fitted
-            clock.now["target"] = args.steps
-            sched.lr_lambdas[0] = warmup_cosine(args.steps, max(1, args.steps // 50))
-            bar.total = args.steps
-            print(f"--seconds {args.seconds:g}: {budget.per_step * 1000:.1f} ms per step -> {args.steps} steps")
-        bar.update(1)
-        bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
-        if step % args.save_every == 0 or step == args.steps:
-            save_training_state(state_path, step, gen, clock.runs(step), model=model, ema=ema, opt=opt, sched=sched)
+    with StopSignal() as stop:
+        while step < args.steps and not stop.requested:
+            x, m, b = data.batch(args.batch, gen)
+            t = sample_times(x.shape[0], x.shape[1], gen, args.pipeline_frac, world.pipeline.history_alpha,
+                             world.pipeline.schedule, args.target_frac)
+            loss = train_step(model, ema, opt, sched, x.to(args.device), m.to(args.device), b.to(args.device), t, gen,
+                              args.ema, bf16=not args.fp32, self_history_share=args.self_history,
+                              schedule=tuple(world.pipeline.schedule), teacher=teacher.core if teacher else None,
+                              teacher_steps=args.distill, self_rollout=args.self_rollout)
+            step += 1
+            losses.append(loss.item())
+            if budget is not None and budget.fit(step, args.steps) is not None:
+                args.steps = budget.fitted
+                clock.now["target"] = args.steps
+                sched.lr_lambdas[0] = warmup_cosine(args.steps, max(1, args.steps // 50))
+                bar.total = args.steps
+                print(f"--seconds {args.seconds:g}: {budget.per_step * 1000:.1f} ms per step -> {args.steps} steps")
+            bar.update(1)
+            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
+            if step % args.save_every == 0 or step == args.steps or stop.requested:
+                save_training_state(state_path, step, gen, clock.runs(step), model=model, ema=ema, opt=opt, sched=sched)
     bar.close()
+    if step < args.steps:  # stopped by a signal: the state is saved at this step
+        print(f"stopped at step {step} of {args.steps}; the state is saved: run the same command again to resume")
+        raise SystemExit(STOPPED)
     torch.save(ema.core.state_dict(), out / "ema_core.pt")
     metrics_path.write_text(json.dumps({
         "steps": args.steps, "batch": args.batch, "frames": frames, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),

@@ -57,6 +57,52 @@ def test_stages_resume(chain, capsys):
     assert not (chain / "x").exists()
 
 
+def test_a_signal_stops_training_at_a_step_that_the_next_run_resumes_exactly(chain, tmp_path, monkeypatch, capsys):
+    """SIGINT or SIGTERM (a chain's time budget, Ctrl-C) finishes the step, saves there and exits
+    with STOPPED; the resumed run ends with the weights of a run never stopped."""
+    import os
+    import signal
+
+    from owl_wms.maze.training import STOPPED
+    from scripts import train_vae, train_world
+
+    text = (REPO / "configs" / "maze_world.yaml").read_text()
+    text = text.replace("n_layers: 8", "n_layers: 1").replace("d_model: 256", "d_model: 64") \
+               .replace("n_heads: 4", "n_heads: 1").replace("window_frames: 32", "window_frames: 4")
+    (tmp_path / "tiny.yaml").write_text(text)
+
+    def world(out):
+        return ["--config", str(tmp_path / "tiny.yaml"), "--latents", str(chain / "latents"), "--out", str(out),
+                "--batch", "2", "--steps", "6", "--save-every", "100", "--fp32"]
+
+    def vae(out):
+        return ["--data", str(chain / "data"), "--out", str(out), "--steps", "6", "--batch", "2", "--width", "8",
+                "--held-out", "1", "--save-every", "100", "--fp32"]
+
+    for module, args, step_fn, weights in ((train_world, world, "train_step", "ema_core.pt"),
+                                           (train_vae, vae, "vae_loss", "final/diffusion_pytorch_model.safetensors")):
+        module.main(args(tmp_path / f"{module.__name__}_whole"))
+        calls, real = [], getattr(module, step_fn)
+
+        def signalled(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:  # SIGTERM for the world, SIGINT for the autoencoder: both stop cleanly
+                os.kill(os.getpid(), signal.SIGTERM if module is train_world else signal.SIGINT)
+            return real(*a, **k)
+
+        monkeypatch.setattr(module, step_fn, signalled)
+        with pytest.raises(SystemExit) as stopped:
+            module.main(args(tmp_path / f"{module.__name__}_pieces"))
+        monkeypatch.undo()
+        assert stopped.value.code == STOPPED
+        assert "stopped at step 3 of 6" in capsys.readouterr().out
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+        module.main(args(tmp_path / f"{module.__name__}_pieces"))
+        assert "resumed at step 3" in capsys.readouterr().out
+        whole, pieces = ((tmp_path / f"{module.__name__}_{k}" / weights).read_bytes() for k in ("whole", "pieces"))
+        assert whole == pieces, module.__name__
+
+
 def test_file_stages_keep_their_time_over_reruns(chain, tmp_path):
     """generate_data and encode_latents add each run that made files to their record; a rerun
     with nothing left to make keeps the earlier time (MODEL.md once said 0.0 min after one)."""
@@ -194,14 +240,14 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert not (tmp_path / "x").exists()
     assert card.count("|") > 10 and "3 episodes x 24 frames, explore policy, corridors 1 grid unit wide" in card
     # the checkpoint names the simulator its episodes came from; a config that says otherwise is refused
-    assert load_config(tmp_path / "ckpt" / "config.yaml").simulator == {"corridor": 1}
+    assert load_config(tmp_path / "ckpt" / "config.yaml").simulator == {"corridor": 1, "look": "brick"}
     (tmp_path / "wide.yaml").write_text((tmp_path / "tiny.yaml").read_text() + "simulator:\n  corridor: 2\n")
     with pytest.raises(SystemExit, match=r"says simulator corridor: 2, but the episodes in .* were made with --corridor 1"):
         export_checkpoint.main(["--config", str(tmp_path / "wide.yaml"), *export[2:-6], "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
     (tmp_path / "other").mkdir()  # the latents record their episodes: --data of other episodes is refused
     (tmp_path / "other" / "manifest.json").write_text(json.dumps({"policy": "explore", "corridor": 2}))
-    with pytest.raises(SystemExit, match=r"were encoded from episodes made with \{'policy': 'explore', 'corridor': 1\}"):
+    with pytest.raises(SystemExit, match=r"were encoded from episodes made with \{'policy': 'explore', 'corridor': 1, 'look': 'brick'\}"):
         export_checkpoint.main([*export[:-6], "--data", str(tmp_path / "other"), "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
     vae_record = (chain / "vae" / "final" / "metrics.json").read_text()
@@ -252,7 +298,7 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     record = json.loads((tmp_path / "ft" / "train_metrics.json").read_text())
     # the base's training record, and the episodes its export says it learned from
     base = dict(record["base"])
-    assert base.pop("data")["options"] == {"policy": "explore", "corridor": 1}
+    assert base.pop("data")["options"] == {"policy": "explore", "corridor": 1, "look": "brick"}
     assert base == json.loads((tmp_path / "world" / "train_metrics.json").read_text())
     export_checkpoint.main([*export[2:6], "--world", str(tmp_path / "ft"), "--out", str(tmp_path / "ckpt_ft"),
                             *export[-4:]])  # no --config: the fine-tune's record names it
@@ -399,11 +445,11 @@ def test_model_card_recipe_trains_a_fine_tunes_base_on_its_own_episodes():
     assert sum("generate_data --policy roam" in c for c in older) == 1
     own = {**base["data"], "options": roam, "vae_scale": 0.5305, "encode": {"seconds_this_run": 162.0}}
     data_row, encode_row = data_rows(own, ft)
-    assert data_row.startswith("256 episodes x 256 frames, still+explore policy, corridors 2 grid units wide, 3.2 min")
+    assert data_row.startswith("256 episodes x 256 frames, still+explore policy, corridors 2 grid units wide, brick walls, 3.2 min")
     assert "roam policy" in data_row.split("(the base world's);")[1]
     assert "0.5672, not recorded (the base world's, which the fine-tune keeps)" in encode_row
     assert "0.5305, 2.7 min (the fine-tune's episodes)" in encode_row
-    assert data_rows(own, {"batch": 4}) == ("256 episodes x 256 frames, roam policy, corridors 2 grid units wide, "
+    assert data_rows(own, {"batch": 4}) == ("256 episodes x 256 frames, roam policy, corridors 2 grid units wide, brick walls, "
                                            "3.2 min", "vae_scale (latent std) 0.5305, 2.7 min")
 
 
@@ -496,6 +542,52 @@ def test_own_history_is_the_pipelines_cached_state():
         v = model.core(seen, torch.tensor([[0.25, 1.0]]), m[:, :2], b[:, :2])
     assert torch.equal(out[:, [0, 2]], x_t[:, [0, 2]])
     torch.testing.assert_close(out[:, 1], z[:, 1] - 0.75 * v[:, 1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_self_rollout_makes_each_frame_from_the_models_own_earlier_frames():
+    """sequential: frame 2 is sampled after frame 1 became the model's own, as the pipeline plays;
+    all at once, frame 2 sees the real frame 1 (one step of exposure)."""
+    model, cfg = tiny_world_model()
+    sched = (1.0, 0.25, 0.0)
+    g = torch.Generator().manual_seed(3)
+    x_t = torch.randn(2, 4, cfg.channels, 8, 8, generator=g)
+    z = torch.randn(x_t.shape, generator=g)
+    m, b = torch.randn(2, 4, 2, generator=g), torch.zeros(2, 4, 11)
+    t = torch.full((2, 4), 0.25)
+    chosen = torch.tensor([[False, True, True, False]] * 2)
+    rolled = own_history(model.core, x_t, z, t, chosen, m, b, sched, sequential=True)
+    at_once = own_history(model.core, x_t, z, t, chosen, m, b, sched)
+    torch.testing.assert_close(rolled[:, 1], at_once[:, 1])  # the first made frame sees only real ones
+    seen = x_t[:, :3].clone()
+    seen[:, 1], seen[:, 2] = rolled[:, 1], z[:, 2]
+    with torch.no_grad():
+        v = model.core(seen, torch.tensor([[0.25, 0.25, 1.0]] * 2), m[:, :3], b[:, :3])
+    torch.testing.assert_close(rolled[:, 2], z[:, 2] - 0.75 * v[:, 2], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(rolled[:, 2], at_once[:, 2])
+    assert torch.equal(rolled[:, [0, 3]], x_t[:, [0, 3]])
+
+
+def test_self_rollout_replaces_the_last_history_frames_of_pipeline_samples_only():
+    model, cfg = tiny_world_model()
+    sched = (1.0, 0.25, 0.0)
+    x = torch.randn(2, 5, cfg.channels, 8, 8)
+    m, b = torch.randn(2, 5, 2), (torch.rand(2, 5, 11) > 0.5).float()
+    t = sample_times(2, 5, torch.Generator().manual_seed(0), 1.0, 0.25, sched)  # pipeline-shaped
+    late, early = x.clone(), x.clone()
+    late[:, 2:4] += 1.0  # the two frames the rollout makes, real content changed
+    early[:, :2] += 1.0  # the real history it starts from
+    loss = lambda clip, t, k: flow_loss(model.core, clip, m, b, t, torch.Generator().manual_seed(1),  # noqa: E731
+                                        schedule=sched, self_rollout=k).item()
+    assert loss(x, t, 2) == pytest.approx(loss(late, t, 2), rel=1e-6)  # replaced by the model's own frames
+    assert loss(x, t, 2) != pytest.approx(loss(early, t, 2), rel=1e-3)  # the rollout starts from these
+    assert loss(x, t, 0) != pytest.approx(loss(late, t, 0), rel=1e-3)
+    diffusion_forcing = sample_times(2, 5, torch.Generator().manual_seed(0), 0.0, 0.25, sched)
+    assert loss(x, diffusion_forcing, 2) == loss(x, diffusion_forcing, 0)  # independent levels: nothing to roll
+    # no extra draws: the generator ends where the plain loss leaves it
+    g0, g1 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    flow_loss(model.core, x, m, b, t, g0, schedule=sched, self_rollout=2)
+    torch.randn(x.shape, generator=g1)
+    assert torch.equal(g0.get_state(), g1.get_state())
 
 
 def test_teacher_first_step_is_the_euler_solve_of_the_whole_clip():

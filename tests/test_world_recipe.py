@@ -120,3 +120,42 @@ def test_a_contact_sheet_of_any_length(tmp_path):
     assert sheet[10, 3 * 8, 0] == 19 and (sheet[10:, 4 * 8:] == 255).all()
     save_sheet(tmp_path / "t.png", shown[:5], every=3)  # 5 frames, every 3rd: frames 1 and 4
     assert matplotlib.image.imread(tmp_path / "t.png").shape[:2] == (8, 2 * 8)
+
+
+def test_a_chain_spends_its_budget_in_pieces_that_resume_where_they_stopped(tmp_path):
+    """PIECE_SECONDS: the stage running when the budget is spent is stopped with SIGINT, the piece's
+    time goes in the table and the script exits 75; the next run is the next piece, from there."""
+    counter = tmp_path / "count.py"  # a resumable stage: one item a quarter second, each kept at once
+    counter.write_text("import pathlib, sys, time\n"
+                       "done = pathlib.Path(sys.argv[1])\n"
+                       "n = int(done.read_text()) if done.exists() else 0\n"
+                       "while n < 12:\n"
+                       "    time.sleep(0.25)\n"
+                       "    n += 1\n"
+                       "    done.write_text(str(n))\n")
+    chain = tmp_path / "chain.sh"
+    chain.write_text(f"set -euo pipefail\nPY={sys.executable}\n. {REPO}/scripts/stage_times.sh\n"
+                     f"start_stage_log {tmp_path}/times.tsv\n"
+                     f"stage first $PY -c 'pass'\n"
+                     f"stage items $PY {counter} {tmp_path}/done\n"
+                     "end_stage_log\n")
+    run = lambda budget: subprocess.run(["bash", str(chain)], env={**os.environ, "PIECE_SECONDS": str(budget)},  # noqa: E731
+                                        capture_output=True, text=True, timeout=120)
+    first = run(2)
+    assert first.returncode == 75, first.stderr
+    assert "ran out in items, which saved where it was; run the same command again to resume" in first.stderr
+    made = int((tmp_path / "done").read_text())
+    assert 0 < made < 12
+    second = run(60)
+    assert second.returncode == 0, second.stderr
+    assert int((tmp_path / "done").read_text()) == 12
+    rows = [ln.split("\t") for ln in (tmp_path / "times.tsv").read_text().splitlines()]
+    assert rows[2] == ["stage", "seconds", "piece"]
+    stages = [r for r in rows[3:] if not r[0].startswith("#") and r[0] != "total"]
+    assert [(r[0], r[2], r[3:]) for r in stages] == [("first", "1", []), ("items", "1", ["stopped"]),
+                                                      ("first", "2", []), ("items", "2", [])]
+    took = [int(r[1]) for r in rows if r[0].startswith("# piece") and r[0].endswith("took")]
+    assert len(took) == 2 and 1 <= took[0] <= 4
+    assert rows[-1] == ["total", str(sum(int(r[1]) for r in stages))]
+    assert run(60).returncode == 0  # a finished chain run again starts a new table
+    assert sum(ln.startswith("# piece") for ln in (tmp_path / "times.tsv").read_text().splitlines()) == 2

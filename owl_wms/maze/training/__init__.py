@@ -59,12 +59,16 @@ def file_stage_clock(previous: dict, total: int, todo: int):
 
 def save_training_state(path, step: int, generator, runs: list[dict], **parts) -> None:
     """Save ``parts`` (modules, optimizers, schedulers: anything with ``state_dict``), the
-    step, the data generator's state and the ``RunLog`` records, so a stopped run resumes
-    where it was."""
+    step, the data generator's state, torch's global generator (noise drawn without a
+    generator) and the ``RunLog`` records, so a stopped run resumes exactly where it was."""
     import torch
 
-    torch.save({"step": step, "gen": generator.get_state(), "runs": runs,
-                **{name: part.state_dict() for name, part in parts.items()}}, path)
+    import os
+
+    tmp = f"{path}.tmp"  # written whole, then renamed: a run killed mid-save keeps the last state
+    torch.save({"step": step, "gen": generator.get_state(), "torch_rng": torch.get_rng_state(), "runs": runs,
+                **{name: part.state_dict() for name, part in parts.items()}}, tmp)
+    os.replace(tmp, path)
 
 
 def load_training_state(path, generator, **parts) -> tuple[int, list[dict] | None]:
@@ -79,5 +83,42 @@ def load_training_state(path, generator, **parts) -> tuple[int, list[dict] | Non
     for name, part in parts.items():
         part.load_state_dict(state[name])
     generator.set_state(state["gen"])
+    if "torch_rng" in state:  # saved since stopped runs resume exactly
+        torch.set_rng_state(state["torch_rng"])
     print(f"resumed at step {int(state['step'])}")
     return int(state["step"]), state.get("runs")
+
+
+# exit status of a training stage stopped by SIGINT/SIGTERM after saving its state (EX_TEMPFAIL: run it again)
+STOPPED = 75
+
+
+class StopSignal:
+    """While active, SIGINT and SIGTERM only set ``requested``: a training loop finishes the step it
+    is in, saves its state there and exits, so the next run resumes at exactly that step (a chain
+    stopped at its time budget loses nothing). A second signal stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._before = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # signals reach only the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._before[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+        return False

@@ -95,22 +95,32 @@ def sample_times(b: int, n: int, gen: torch.Generator, pipeline_frac: float, alp
 
 
 def flow_loss(core, x, mouse, buttons, t, gen: torch.Generator, self_history_share: float = 0.0,
-              schedule: tuple[float, ...] = (1.0, 0.25, 0.0), teacher=None, teacher_steps: int = 0):
+              schedule: tuple[float, ...] = (1.0, 0.25, 0.0), teacher=None, teacher_steps: int = 0,
+              self_rollout: int = 0):
     """Rectified-flow loss; ``self_history_share`` > 0: see ``own_history`` (0 draws nothing extra);
-    ``teacher``: step distillation of the sampler's first step, see ``teacher_first_step``."""
+    ``self_rollout`` K > 0: in every pipeline-shaped sample the last K history frames are the
+    model's own rollout, made one after the other as the pipeline makes them (Self-Forcing's
+    self-generated history; no extra draws); ``teacher``: step distillation of the sampler's
+    first step, see ``teacher_first_step``."""
     z = torch.randn(x.shape, generator=gen).to(x)
     tt = t[:, :, None, None, None].to(x)
     x_t = (1 - tt) * x + tt * z
     target = z - x
     keep = torch.ones(t.shape, device=x.device)
+    chosen = torch.zeros(t.shape, dtype=torch.bool)
     if self_history_share > 0:
-        chosen = torch.zeros(t.shape, dtype=torch.bool)
         chosen[:, :-1] = (t[:, :-1] == schedule[-2]) & (torch.rand(t.shape[0], t.shape[1] - 1, generator=gen)
                                                         < self_history_share)
-        if chosen.any():
-            x_t = own_history(core, x_t, z, t, chosen.to(x.device), mouse.to(x), buttons.to(x), schedule)
-            # A swapped frame's input no longer denoises to its real frame: it is not scored.
-            keep = keep * (~chosen).to(x)
+    if self_rollout > 0:
+        k = min(self_rollout, t.shape[1] - 1)
+        # a pipeline-shaped sample holds history at exactly the cache level (diffusion forcing's never does)
+        pipeline_shaped = (t[:, :-1] == schedule[-2]).any(1, keepdim=True)
+        chosen[:, -1 - k:-1] |= pipeline_shaped & (t[:, -1 - k:-1] == schedule[-2])
+    if chosen.any():
+        x_t = own_history(core, x_t, z, t, chosen.to(x.device), mouse.to(x), buttons.to(x), schedule,
+                          sequential=self_rollout > 0)
+        # A swapped frame's input no longer denoises to its real frame: it is not scored.
+        keep = keep * (~chosen).to(x)
     if teacher is not None:
         first = (t == schedule[0]).to(x.device)
         last = first[:, -1]
@@ -154,7 +164,7 @@ def teacher_first_step(teacher, x_t, t, mouse, buttons, schedule: tuple[float, .
 
 
 @torch.no_grad()
-def own_history(core, x_t, z, t, chosen, mouse, buttons, schedule: tuple[float, ...]):
+def own_history(core, x_t, z, t, chosen, mouse, buttons, schedule: tuple[float, ...], sequential: bool = False):
     """Swap history frames for the model's own samples, as the pipeline makes them (exposure bias).
 
     At inference a generated frame enters the window as the sampler's state at the cache-write
@@ -163,12 +173,20 @@ def own_history(core, x_t, z, t, chosen, mouse, buttons, schedule: tuple[float, 
     from its noise ``z`` by the same Euler steps, conditioned on the other frames of the clip
     as the training input shows them (no gradient, the whole batch so shapes stay fixed); the
     step then learns to predict the real frames from that history.
+
+    ``sequential``: the chosen frames are made one frame index after the other, each seeing the
+    model's own earlier frames (a rollout, as the pipeline plays: errors compound as they do
+    there); otherwise all at once, each from the real frames before it (one step of exposure).
     """
-    pick = chosen[:, :, None, None, None]
-    x_t = torch.where(pick, z, x_t)
-    # Frames not chosen stay as they are (a zero step).
-    return euler(lambda x, level, _: torch.where(pick, core(x, t.to(x).masked_fill(chosen, level), mouse,
-                                                             buttons).to(x), 0), x_t, schedule[:-1])
+    x_t = torch.where(chosen[:, :, None, None, None], z, x_t)
+    columns = [chosen & (torch.arange(chosen.shape[1], device=chosen.device) == j)
+               for j in chosen.any(0).nonzero().flatten().tolist()] if sequential else [chosen]
+    for part in columns:
+        pick = part[:, :, None, None, None]
+        # Frames not picked stay as they are (a zero step); t of a picked frame is its level.
+        x_t = euler(lambda x, level, _: torch.where(pick, core(x, t.to(x).masked_fill(part, level), mouse,
+                                                                buttons).to(x), 0), x_t, schedule[:-1])
+    return x_t
 
 
 def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile: bool = False):
@@ -186,11 +204,13 @@ def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile:
 
 def train_step(model, ema, opt, sched, x, mouse, buttons, t, gen: torch.Generator, ema_decay: float,
                bf16: bool = True, self_history_share: float = 0.0,
-               schedule: tuple[float, ...] = (1.0, 0.25, 0.0), teacher=None, teacher_steps: int = 0) -> torch.Tensor:
+               schedule: tuple[float, ...] = (1.0, 0.25, 0.0), teacher=None, teacher_steps: int = 0,
+               self_rollout: int = 0) -> torch.Tensor:
     """One optimisation step of scripts.train_world (autocast, clipped AdamW, schedule, EMA);
-    the loss, unsynchronised. ``self_history_share``, ``teacher``: see ``flow_loss``."""
+    the loss, unsynchronised. ``self_history_share``, ``self_rollout``, ``teacher``: see ``flow_loss``."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = flow_loss(model.core, x, mouse, buttons, t, gen, self_history_share, schedule, teacher, teacher_steps)
+        loss = flow_loss(model.core, x, mouse, buttons, t, gen, self_history_share, schedule, teacher, teacher_steps,
+                         self_rollout)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
