@@ -1,7 +1,8 @@
-"""The page in a real browser (Debian's chromium, driven by chromedriver through Selenium):
-frames are drawn on the canvas, a key press reaches the next frame's controls, two players at
-once get the frames of two headless runs of their actions, and a third past capacity sees the
-server full while the two play on."""
+"""The page in real browsers. Debian's chromium, driven by chromedriver through Selenium: frames
+are drawn on the canvas, a key press reaches the next frame's controls, two players at once get
+the frames of two headless runs of their actions, and a third past capacity sees the server full
+while the two play on. Debian's firefox-esr, driven through its own Marionette protocol
+(marionette_driver, no geckodriver): the same page plays, and its frames are a headless run's."""
 import json
 import shutil
 import time
@@ -14,8 +15,10 @@ from .servers import Server
 from .test_serve import FP32, FRAME_TOLERANCE, alone
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "
-                                                                  "(apt-get install chromium chromium-driver)")
+FIREFOX = shutil.which("firefox-esr") or shutil.which("firefox")
+needs_chromium = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "
+                                                                      "(apt-get install chromium chromium-driver)")
+needs_firefox = pytest.mark.skipif(not FIREFOX, reason="needs Debian's firefox-esr (apt-get install firefox-esr)")
 
 
 def browser(profile: Path):
@@ -52,6 +55,7 @@ def wait(predicate, timeout: float = 60, what: str = ""):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@needs_chromium
 def test_two_browsers_play_their_own_sessions_and_a_third_hears_the_server_is_full(tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
 
@@ -107,3 +111,56 @@ def test_two_browsers_play_their_own_sessions_and_a_third_hears_the_server_is_fu
         worst = max(np.abs(image.astype(int) - want[index - 1].astype(int)).max()
                     for index, image in samples[seed].items())
         assert worst <= FRAME_TOLERANCE, (seed, worst)
+
+
+def firefox():
+    """Headless firefox-esr under Marionette, on a free port (profile made and removed by mozprofile)."""
+    import socket
+
+    from marionette_driver.marionette import Marionette
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    page = Marionette(bin=FIREFOX, headless=True, port=port, startup_timeout=90)
+    page.start_session()
+    return page
+
+
+def key(page, name: str, down: bool):
+    from marionette_driver.marionette import Actions
+
+    keys = Actions(page).sequence("key", "keyboard")
+    (keys.key_down if down else keys.key_up)(name)
+    keys.perform()
+
+
+@needs_firefox
+def test_firefox_plays_the_page_and_its_frames_are_a_headless_runs(tmp_path):
+    actions = tmp_path / "actions"
+    samples = {}
+    with Server("--save-actions", actions, env=FP32) as server:
+        page = firefox()
+        try:
+            page.navigate(f"{server.url}/?seed=34&format=png")
+            wait(lambda: shown(page)[0] >= 3, what="frames in firefox")
+            assert np.asarray(shown(page)[1]).std() > 1  # a picture, not a blank canvas
+            key(page, "w", True)
+            for _ in range(12):
+                index, image = shown(page)
+                samples[index] = image
+                time.sleep(0.15)
+            key(page, "w", False)
+            overlay = page.find_element("id", "overlay").text
+            assert "FPS" in overlay and "players 1/" in overlay, overlay
+        finally:
+            page.cleanup()
+        wait(lambda: server.health()["sessions"] == 0, what="the session to close")
+
+    log = next(actions.glob("session-*.json"))
+    lines = [json.loads(line) for line in log.with_suffix(".jsonl").read_text().splitlines()]
+    assert any(line["buttons"][0] == 1 for line in lines), "the W press never reached a frame"
+    want = alone(tmp_path, 34, str(log.with_suffix(".jsonl")), len(lines), "alone34")
+    assert len(samples) >= 8
+    worst = max(np.abs(image.astype(int) - want[index - 1].astype(int)).max() for index, image in samples.items())
+    assert worst <= FRAME_TOLERANCE, worst
