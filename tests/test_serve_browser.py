@@ -113,8 +113,9 @@ def test_two_browsers_play_their_own_sessions_and_a_third_hears_the_server_is_fu
         assert worst <= FRAME_TOLERANCE, (seed, worst)
 
 
-def firefox():
-    """Headless firefox-esr under Marionette, on a free port (profile made and removed by mozprofile)."""
+def firefox(log: Path):
+    """Headless firefox-esr under Marionette, on a free port (profile made and removed by mozprofile),
+    its log in ``log``."""
     import socket
 
     from marionette_driver.marionette import Marionette
@@ -122,7 +123,7 @@ def firefox():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    page = Marionette(bin=FIREFOX, headless=True, port=port, startup_timeout=90)
+    page = Marionette(bin=FIREFOX, headless=True, port=port, startup_timeout=90, gecko_log=str(log))
     page.start_session()
     return page
 
@@ -140,7 +141,7 @@ def test_firefox_plays_the_page_and_its_frames_are_a_headless_runs(tmp_path):
     actions = tmp_path / "actions"
     samples = {}
     with Server("--save-actions", actions, env=FP32) as server:
-        page = firefox()
+        page = firefox(tmp_path / "gecko.log")
         try:
             page.navigate(f"{server.url}/?seed=34&format=png")
             wait(lambda: shown(page)[0] >= 3, what="frames in firefox")
