@@ -12,7 +12,8 @@
 #   export   each variant as a checkpoint folder <work>/<name>/checkpoint (weights in files of at
 #            most 16 MB, its training record in world_training.json)
 # VARIANTS is a space-separated list of NAME:POLICY:CONFIG:OPEN_TURN_WEIGHT; side by side they
-# measure what each change buys at one budget. Evaluate a checkpoint with scripts.eval_world.
+# measure what each change buys at one budget. LOOK draws the maze (generate_data --look) and
+# TRAIN_FLAGS adds train_world flags to every variant. Evaluate a checkpoint with scripts.eval_world.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:?usage: bash scripts/world_gpu.sh WORK_DIR}
@@ -21,6 +22,8 @@ DEVICE=${DEVICE:-cuda}
 EPISODES=${EPISODES:-768}
 FRAMES=${FRAMES:-256}
 CORRIDOR=${CORRIDOR:-2}
+LOOK=${LOOK:-brick}  # how the maze is drawn (generate_data --look)
+TRAIN_FLAGS=${TRAIN_FLAGS:-}  # more train_world flags for every variant, e.g. "--self-rollout 4"
 WORKERS=${WORKERS:-$(nproc)}
 TRAIN_SECONDS=${TRAIN_SECONDS:-300}
 BATCH=${BATCH:-64}
@@ -40,7 +43,7 @@ policies=$(for v in $VARIANTS; do field "$v" 2; done | sort -u)
 data() {
   local policy
   for policy in $policies; do
-    $PY -m scripts.generate_data --policy "$policy" --corridor "$CORRIDOR" --episodes "$EPISODES" --frames "$FRAMES" \
+    $PY -m scripts.generate_data --policy "$policy" --corridor "$CORRIDOR" --look "$LOOK" --episodes "$EPISODES" --frames "$FRAMES" \
       --workers "$WORKERS" --out "$WORK/data_$policy"
   done
 }
@@ -66,7 +69,7 @@ train() {
     mkdir -p "$WORK/$name"
     $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$WORK/$name/world" --config "$config" \
       --batch "$BATCH" --steps 1000000 --seconds "$TRAIN_SECONDS" --lr "$LR" --target-frac 0.5 \
-      --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" $COMPILE $PRECISION > "$WORK/$name/train.log" 2>&1 &
+      --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" $COMPILE $PRECISION $TRAIN_FLAGS > "$WORK/$name/train.log" 2>&1 &
   done
   wait_all || echo "some variants failed to train (their train.log says why); the others go on"
   for v in $VARIANTS; do tail -n 2 "$WORK/$(field "$v" 1)/train.log"; done

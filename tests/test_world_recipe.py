@@ -86,18 +86,20 @@ def test_the_recipe_makes_checkpoints_from_nothing(tmp_path):
     config = tiny_config(tmp_path)
     env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "EPISODES": "2", "FRAMES": "12", "WORKERS": "2",
            "TRAIN_SECONDS": "1", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32", "CLIP_FUTURE": "8",
-           "VARIANTS": f"open:turns:{config}:2 plain:turns:{config}:0"}
+           "VARIANTS": f"open:turns:{config}:2 plain:turns:{config}:0", "LOOK": "flat", "TRAIN_FLAGS": "--self-rollout 2"}
     proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=time_limit(600))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     times = (tmp_path / "run" / "times.tsv").read_text()
-    assert [line.split("\t")[0] for line in times.splitlines()[3:]] == ["data", "encode", "train", "export", "total"]
+    assert [line.split("\t")[0] for line in times.splitlines()[3:] if not line.startswith("#")] == \
+        ["data", "encode", "train", "export", "total"]
     assert "--device cpu" in times.splitlines()[0]
     for name in ("open", "plain"):
         ckpt = tmp_path / "run" / name / "checkpoint"
         assert all(f.stat().st_size <= 16 * 2**20 for f in ckpt.rglob("*") if f.is_file())
         record = json.loads((ckpt / "world_training.json").read_text())
-        assert record["data"]["options"]["policy"] == "turns" and record["steps"] == 25
+        assert record["data"]["options"] == {"policy": "turns", "corridor": 2, "look": "flat"} and record["steps"] == 25
+        assert "--self-rollout 2" in record["runs"][-1]["options"]
         from inference.causvid_pipeline import CausvidPipeline
 
         pipe = CausvidPipeline.from_checkpoint(ckpt)
