@@ -187,3 +187,34 @@ def test_horizontal_shift_finds_a_known_slide_and_the_simulators_turn_direction(
         before = sim.render()
         after = sim.step([dx, 0.0], forward)
         assert sign * horizontal_shift(before, after) >= 2  # turning right slides the view left
+
+
+def test_compare_worlds_sets_each_world_against_the_first(tmp_path, capsys):
+    from scripts import compare_worlds
+
+    def report(shift: float) -> dict:
+        scripted = {"sharpness_ratio": [0.2 + shift, 0.4 + shift], "sharpness_ratio_min": 0.2 + shift}
+        return {"teacher_forced_psnr": 25 + shift, "copy_previous_psnr": 24.5, "ar_psnr_at_16": 18 + shift,
+                "layout_psnr_at_64": 16 + shift, "turn_following_teacher_forced": 0.25 + shift,
+                "turn_following": 0.6 + shift, "action_gap_db": 1.5 + shift,
+                "per_level": {"action_gap_db": [-1 + shift, 3 + shift]},
+                "standard_error": {"teacher_forced_psnr": 1.2, "action_gap_db": 0.9},
+                "walk_and_turn": scripted, "turn_in_place": scripted}
+
+    old, new, mixed = report(0.0), report(0.1), {**report(0.1), "action_gap_db": 1.0}
+    del old["layout_psnr_at_64"]  # an older report: the row says so
+    for name, r in (("old", old), ("new", new), ("mixed", mixed)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    compare_worlds.main([str(tmp_path / f"{n}.json") for n in ("old", "new", "mixed")] + ["--names", "old", "new", "mixed"])
+    out = capsys.readouterr().out
+    assert "| teacher-forced PSNR (dB) | 25.00 ± 1.20 | 25.10 ± 1.20 | 25.10 ± 1.20 |  |" in out
+    assert "| teacher-forced minus repeating (dB) | 0.50 | 0.60 | 0.60 | >= 2 |" in out
+    assert "| layout score at frame 64 (dB) | not measured | 16.10 | 16.10 | >= 20 |" in out
+    # a figure the first world lacks can't be beaten; one worse figure is named
+    assert "new is not better than old on: layout score at frame 64 (dB)" in out
+    assert "mixed is not better than old on: layout score at frame 64 (dB); action gap, frames 5-32 (dB)" in out
+    compare_worlds.main([str(tmp_path / "new.json"), str(tmp_path / "new.json")])
+    assert "new beats new" not in capsys.readouterr().out  # equal is not better
+    with pytest.raises(SystemExit):
+        compare_worlds.main([str(tmp_path / "missing.json")])
+    assert "report" in capsys.readouterr().err
