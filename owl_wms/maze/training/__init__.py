@@ -61,9 +61,9 @@ def save_training_state(path, step: int, generator, runs: list[dict], **parts) -
     """Save ``parts`` (modules, optimizers, schedulers: anything with ``state_dict``), the
     step, the data generator's state, torch's global generator (noise drawn without a
     generator) and the ``RunLog`` records, so a stopped run resumes exactly where it was."""
-    import torch
-
     import os
+
+    import torch
 
     tmp = f"{path}.tmp"  # written whole, then renamed: a run killed mid-save keeps the last state
     torch.save({"step": step, "gen": generator.get_state(), "torch_rng": torch.get_rng_state(), "runs": runs,
