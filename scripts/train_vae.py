@@ -18,11 +18,13 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from owl_wms.config import ConfigError
-from owl_wms.controls import to_unit
+from owl_wms.controls import to_uint8, to_unit
+from owl_wms.maze.evaluation import sharpness_ratio
 from owl_wms.maze.training import STOPPED, RunLog, StopSignal, load_training_state, save_training_state, warmup_cosine
 from owl_wms.maze.training.vae import build_autoencoder, load_frames, psnr, vae_loss
 from owl_wms.vae import load_autoencoder
@@ -34,13 +36,25 @@ def base_metrics(folder: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def held_out_psnr(ae, frames: torch.Tensor, device: str) -> float:
-    """Reconstruction PSNR (dB) of uint8 frames [N, 3, H, W]; leaves the autoencoder in eval mode."""
+def reconstruct(ae, frames: torch.Tensor, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 frames [N, 3, H, W] in [-1, 1] and their reconstructions; leaves the autoencoder in eval mode."""
     ae.eval()
     with torch.no_grad():
         x = to_unit(frames).to(device)
-        rec = torch.cat([ae.decode(ae.encode(c).latents).sample for c in x.split(256)])
+        return x, torch.cat([ae.decode(ae.encode(c).latents).sample for c in x.split(256)])
+
+
+def held_out_psnr(ae, frames: torch.Tensor, device: str) -> float:
+    """Reconstruction PSNR (dB) of uint8 frames [N, 3, H, W]; leaves the autoencoder in eval mode."""
+    x, rec = reconstruct(ae, frames, device)
     return psnr(rec, x)
+
+
+def held_out_sharpness(ae, frames: torch.Tensor, device: str) -> float:
+    """Mean sharpness ratio of the reconstructions (owl_wms.maze.evaluation): the fine detail the
+    autoencoder keeps, which bounds how sharp any world model's frames through it can be."""
+    x, rec = reconstruct(ae, frames, device)
+    return float(np.mean([sharpness_ratio(a.numpy(), b.numpy()) for a, b in zip(to_uint8(rec), to_uint8(x))]))
 
 
 def main(argv=None):
@@ -78,8 +92,8 @@ def main(argv=None):
     train, val = frames[: -args.held_out * per_ep], frames[-args.held_out * per_ep:][::8]
     ae = ae.to(args.device, memory_format=torch.channels_last)
     if args.score_only:
-        print(f"held-out reconstruction PSNR {held_out_psnr(ae, val, args.device):.2f} dB "
-              f"({val.shape[0]} frames of the last {args.held_out} episodes in {args.data})")
+        print(f"held-out reconstruction PSNR {held_out_psnr(ae, val, args.device):.2f} dB, sharpness ratio "
+              f"{held_out_sharpness(ae, val, args.device):.2f} ({val.shape[0]} frames of the last {args.held_out} episodes in {args.data})")
         return
     out.mkdir(parents=True, exist_ok=True)
     if args.decoder_only:
@@ -123,7 +137,7 @@ def main(argv=None):
     val_psnr = evaluate()
     ae.save_pretrained(str(out / "final"))
     (out / "final" / "metrics.json").write_text(json.dumps({
-        "held_out_psnr_db": val_psnr, "steps": args.steps, "train_frames": int(train.shape[0]),
+        "held_out_psnr_db": val_psnr, "held_out_sharpness_ratio": held_out_sharpness(ae, val, args.device), "steps": args.steps, "train_frames": int(train.shape[0]),
         **({"init": args.init, "decoder_only": args.decoder_only, "lr": args.lr, "base": base_metrics(args.init)}
            if args.init else {}),
         **clock.record(args.steps)}, indent=2))

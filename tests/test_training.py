@@ -164,8 +164,10 @@ def test_score_only_reports_the_held_out_psnr_the_training_recorded(chain, tmp_p
     final = chain / "vae" / "final"
     train_vae.main(["--data", str(chain / "data"), "--init", str(final), "--held-out", "1", "--score-only",
                     "--out", str(tmp_path / "untouched")])
-    recorded = json.loads((final / "metrics.json").read_text())["held_out_psnr_db"]
-    assert f"held-out reconstruction PSNR {recorded:.2f} dB" in capsys.readouterr().out
+    recorded = json.loads((final / "metrics.json").read_text())
+    assert 0 < recorded["held_out_sharpness_ratio"] < 2
+    assert (f"held-out reconstruction PSNR {recorded['held_out_psnr_db']:.2f} dB, sharpness ratio "
+            f"{recorded['held_out_sharpness_ratio']:.2f}") in capsys.readouterr().out
     assert not (tmp_path / "untouched").exists()  # it trains and writes nothing
     with pytest.raises(SystemExit):
         train_vae.main(["--data", str(chain / "data"), "--score-only"])  # no --init
