@@ -113,7 +113,7 @@ def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32):
     from scripts import eval_world
 
     short = ["--episodes", "2", "--frames", "2", "--tf-frames", "2", "--gap-range", "1", "2", "--turn-frames", "2",
-             "--sheet-episodes", "0"]
+             "--sheet-episodes", "0", "--script-frames", "2"]
     eval_world.main(short + ["--out", str(tmp_path / "two")])
     eval_world.main(short + ["--schedule", "1", "0.5", "0.25", "0", "--rest-frames", "0", "--out", str(tmp_path / "three")])
     two, three = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("two", "three"))
@@ -122,6 +122,8 @@ def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32):
     assert "rest_walk_psnr" in two and "rest_walk_psnr" not in three
     with pytest.raises(SystemExit):
         eval_world.main(short + ["--rest-frames", "-1", "--out", str(tmp_path / "neg")])
+    with pytest.raises(SystemExit):
+        eval_world.main(short + ["--script-frames", "0", "--out", str(tmp_path / "none")])
     assert two["teacher_forced_psnr"] != three["teacher_forced_psnr"]
     with pytest.raises(ValueError, match="schedule"):
         eval_world.main(short + ["--schedule", "1", "0.5", "--out", str(tmp_path / "bad")])

@@ -318,7 +318,7 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
 
     eval_world.main(["--checkpoint", str(tmp_path / "ckpt"), "--weights", str(tmp_path / "ft" / "ema_core.pt"),
                      "--episodes", "2", "--frames", "3", "--tf-frames", "2", "--gap-range", "1", "3",
-                     "--policy", "lively", "--out", str(tmp_path / "eval")])
+                     "--policy", "lively", "--script-frames", "3", "--out", str(tmp_path / "eval")])
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert report["policy"] == "lively" and report["weights"].endswith("ema_core.pt")
     # MODEL.md quotes the evaluation, turn following included
@@ -330,6 +330,12 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert "frame 16 | not measured" in card  # a 3-frame evaluation has no frame 16
     assert "`eval_rollouts.png`" in card and (tmp_path / "ckpt" / "eval_rollouts.png").is_file()
     assert "`eval_turns.png`" in card and (tmp_path / "ckpt" / "eval_turns.png").is_file()
+    walk = report["walk_and_turn"]
+    assert (f"the least sharp frame's sharpness ratio (high-frequency energy, model over simulator) | "
+            f"{walk['sharpness_ratio_min']:.2f} ({walk['frames_below_sharp_enough']} frames below 0.5") in card
+    for sheet in ("eval_walk_and_turn.png", "eval_turn_in_place.png"):
+        assert f"`{sheet}`" in card and (tmp_path / "ckpt" / sheet).is_file()
+    assert "layout score at frame 64" not in card  # a 3-frame evaluation has no frame 64
     assert f"one in {report['turn_sheet_every']}; simulator, teacher-forced, autoregressive, one row each" in card
     assert f"| {report['turn_following']:.2f} ({report['turn_shift_model']:.2f} vs " in card
     assert f"(teacher-forced) {report['turn_following_teacher_forced']:.2f}; in the open " in card
