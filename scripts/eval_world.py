@@ -120,7 +120,7 @@ def main(argv=None):
     rest, nudged = [], []
     scripted = {name: [] for name in SCRIPTS}
     script_sheets = {name: [] for name in SCRIPTS}
-    actions = {name: [(m, b) for m, b in load_actions(name, args.script_frames)] for name in SCRIPTS}
+    actions = {name: load_actions(name, args.script_frames) for name in SCRIPTS}
     for i, ep in enumerate(tqdm(eps, desc="evaluate", unit="ep")):
         foreign = eps[(i + 1) % len(eps)]
         predicted = []
