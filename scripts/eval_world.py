@@ -160,6 +160,7 @@ def main(argv=None):
         per_level["ar_psnr_at_16"] = [r[15][0] for r in ar]
     if len(ar_psnr) >= 64:
         per_level["layout_psnr_at_64"] = [r[63][2] for r in ar]
+    summaries = {SCRIPTS[name]: script_summary(runs) for name, runs in scripted.items()}
     report = {
         "command": " ".join(["python -m scripts.eval_world", *sys.argv[1:]]),
         "checkpoint": args.checkpoint, "weights": args.weights, "world": pipe.world.name, "seeds": seeds,
@@ -172,8 +173,8 @@ def main(argv=None):
         # sharp the frame is against the simulator's (high-frequency energy ratio), frame by frame
         "ar_layout_psnr": mean_curve(ar, 2), "ar_sharpness_ratio": mean_curve(ar, 3),
         "layout_psnr_at_64": mean_curve(ar, 2)[63] if len(ar_psnr) >= 64 else None,
-        **{SCRIPTS[name]: script_summary(runs) for name, runs in scripted.items()},
-        "walk_and_turn_sharpness_min": script_summary(scripted["walk_turn"])["sharpness_ratio_min"],
+        **summaries,
+        "walk_and_turn_sharpness_min": summaries["walk_and_turn"]["sharpness_ratio_min"],
         "sharp_enough": SHARP_ENOUGH,
         "action_gap_db": true_gap - other_gap, "gap_range": [lo, hi],
         "ar_psnr_gap_range": true_gap, "ar_psnr_foreign_actions_gap_range": other_gap,

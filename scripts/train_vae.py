@@ -36,25 +36,18 @@ def base_metrics(folder: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def reconstruct(ae, frames: torch.Tensor, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 frames [N, 3, H, W] in [-1, 1] and their reconstructions; leaves the autoencoder in eval mode."""
+def held_out_scores(ae, frames: torch.Tensor, device: str, sharpness: bool = False) -> tuple[float, float | None]:
+    """Reconstruction PSNR (dB) of uint8 frames [N, 3, H, W] and, with ``sharpness``, the mean
+    sharpness ratio of the reconstructions (owl_wms.maze.evaluation): the fine detail the
+    autoencoder keeps, which bounds how sharp any world model's frames through it can be.
+    Leaves the autoencoder in eval mode."""
     ae.eval()
     with torch.no_grad():
         x = to_unit(frames).to(device)
-        return x, torch.cat([ae.decode(ae.encode(c).latents).sample for c in x.split(256)])
-
-
-def held_out_psnr(ae, frames: torch.Tensor, device: str) -> float:
-    """Reconstruction PSNR (dB) of uint8 frames [N, 3, H, W]; leaves the autoencoder in eval mode."""
-    x, rec = reconstruct(ae, frames, device)
-    return psnr(rec, x)
-
-
-def held_out_sharpness(ae, frames: torch.Tensor, device: str) -> float:
-    """Mean sharpness ratio of the reconstructions (owl_wms.maze.evaluation): the fine detail the
-    autoencoder keeps, which bounds how sharp any world model's frames through it can be."""
-    x, rec = reconstruct(ae, frames, device)
-    return float(np.mean([sharpness_ratio(a.numpy(), b.numpy()) for a, b in zip(to_uint8(rec), to_uint8(x))]))
+        rec = torch.cat([ae.decode(ae.encode(c).latents).sample for c in x.split(256)])
+    kept = float(np.mean([sharpness_ratio(a.numpy(), b.numpy()) for a, b in zip(to_uint8(rec), to_uint8(x))])) \
+        if sharpness else None
+    return psnr(rec, x), kept
 
 
 def main(argv=None):
@@ -92,8 +85,9 @@ def main(argv=None):
     train, val = frames[: -args.held_out * per_ep], frames[-args.held_out * per_ep:][::8]
     ae = ae.to(args.device, memory_format=torch.channels_last)
     if args.score_only:
-        print(f"held-out reconstruction PSNR {held_out_psnr(ae, val, args.device):.2f} dB, sharpness ratio "
-              f"{held_out_sharpness(ae, val, args.device):.2f} ({val.shape[0]} frames of the last {args.held_out} episodes in {args.data})")
+        score, kept = held_out_scores(ae, val, args.device, sharpness=True)
+        print(f"held-out reconstruction PSNR {score:.2f} dB, sharpness ratio "
+              f"{kept:.2f} ({val.shape[0]} frames of the last {args.held_out} episodes in {args.data})")
         return
     out.mkdir(parents=True, exist_ok=True)
     if args.decoder_only:
@@ -107,7 +101,7 @@ def main(argv=None):
     clock = RunLog(runs or [], step, args.batch, args.steps)  # a state from before run records: this run's time only
 
     def evaluate():
-        score = held_out_psnr(ae, val, args.device)
+        score, _ = held_out_scores(ae, val, args.device)
         ae.train()
         return score
 
@@ -125,19 +119,19 @@ def main(argv=None):
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.5f}")
-            if step % args.save_every == 0 or step == args.steps:
+            due = step % args.save_every == 0 or step == args.steps
+            if due or stop.requested:
                 save_training_state(state_path, step, gen, clock.runs(step), model=ae, opt=opt, sched=sched)
+            if due:
                 bar.write(f"step {step}: held-out PSNR {evaluate():.2f} dB")
-            elif stop.requested:
-                save_training_state(state_path, step, gen, clock.runs(step), model=ae, opt=opt, sched=sched)
     bar.close()
     if step < args.steps:  # stopped by a signal: the state is saved at this step
         print(f"stopped at step {step} of {args.steps}; the state is saved: run the same command again to resume")
         raise SystemExit(STOPPED)
-    val_psnr = evaluate()
+    val_psnr, val_sharpness = held_out_scores(ae, val, args.device, sharpness=True)
     ae.save_pretrained(str(out / "final"))
     (out / "final" / "metrics.json").write_text(json.dumps({
-        "held_out_psnr_db": val_psnr, "held_out_sharpness_ratio": held_out_sharpness(ae, val, args.device), "steps": args.steps, "train_frames": int(train.shape[0]),
+        "held_out_psnr_db": val_psnr, "held_out_sharpness_ratio": val_sharpness, "steps": args.steps, "train_frames": int(train.shape[0]),
         **({"init": args.init, "decoder_only": args.decoder_only, "lr": args.lr, "base": base_metrics(args.init)}
            if args.init else {}),
         **clock.record(args.steps)}, indent=2))

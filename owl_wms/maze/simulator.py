@@ -287,9 +287,10 @@ class MazeSim:
         if c.look == "brick":  # mortar lines every 1/4 height, staggered vertical joints
             course = np.floor(v * 4)
             mortar = (np.abs(v * 4 - np.round(v * 4)) < 0.08) | (np.abs(((u * 2 + course * 0.5) % 1) - 0.5) > 0.46)
+            tex = np.where(mortar, 0.55, 1.0)
         else:  # a seam where one wall unit meets the next, so a wall of one colour still slides when turning
-            mortar = np.broadcast_to(np.minimum(u, 1 - u) < 0.04, v.shape)
-        tex = np.where(mortar, 0.55 if c.look == "brick" else 0.8, 1.0) * np.where(door_panel, 0.7, 1.0)
+            tex = np.where(np.minimum(u, 1 - u) < 0.04, 0.8, 1.0)
+        tex = tex * np.where(door_panel, 0.7, 1.0)
         shade = np.where(side == 1, 0.78, 1.0) / (1 + 0.16 * dist)
 
         # Floor and ceiling: project each pixel to the ground/ceiling plane (checkerboard floor).
