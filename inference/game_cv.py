@@ -85,7 +85,8 @@ def parse_args(argv=None):
                         "--nproc-per-node N)")
     p.add_argument("--pp", type=int, default=1, choices=(1, 2),
                    help="2: two pipeline stages, rank 0 owning input, decoding and output while rank 1 generates "
-                        "(launch with torchrun --nproc-per-node 2)")
+                        "(launch with torchrun --nproc-per-node 2); with --tp N, ranks 1..N generate with the heads "
+                        "split between them (--nproc-per-node N+1)")
     play = p.add_argument_group("play (window) options")
     play.add_argument("--target-fps", type=float, default=60.0, help="window refresh rate (frame pacing)")
     play.add_argument("--smooth", action="store_true", help="smooth scaling instead of integer (nearest)")
@@ -112,14 +113,19 @@ def parse_args(argv=None):
     return args
 
 
+def processes(args) -> int:
+    """The processes torchrun starts: --tp N ranks, or with --pp 2 rank 0 beside the generating ranks."""
+    return 1 + args.tp if args.pp == 2 else args.tp
+
+
 def run_settings(args) -> tuple[WorldConfig, Settings, CoreBudget]:
     """The checkpoint's config, read once, the settings (its ``inference:`` section under the
     OWL_* flags, then --seed) and the thread budget: threads not chosen by hand follow the cores
     other processes leave free (one process; TP ranks share the cores by count)."""
     world = load_world(args.checkpoint)
     chosen = resolve_settings(world.inference)
-    settings = with_threads(chosen, args.tp * args.pp)
-    budget = CoreBudget(settings.generator_threads, adaptive=chosen.threads == 0 and args.tp * args.pp == 1
+    settings = with_threads(chosen, processes(args))
+    budget = CoreBudget(settings.generator_threads, adaptive=chosen.threads == 0 and processes(args) == 1
                         and not os.environ.get("OMP_NUM_THREADS"))
     return world, settings.replace(seed=args.seed) if args.seed is not None else settings, budget
 
@@ -154,8 +160,9 @@ def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelCon
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
     stages = args.pp == 2
+    mesh = tp.split(1) if stages and args.tp > 1 else None  # --pp 2 --tp N: the generating ranks' own group
     pipe = CausvidPipeline.from_checkpoint(world, args.ckpt, settings=settings, clip=clip, ground_truth=args.ground_truth,
-                                           tp=None if stages else tp, pp=tp if stages else None, weights=args.weights)
+                                           tp=mesh if stages else tp, pp=tp if stages else None, weights=args.weights)
     check_simulator(pipe.world)
     if tp is not None and not tp.is_leader:
         if stages and compile_pays(args):  # --pp 2: the generating rank compiles, rank 0 never calls the model
@@ -194,11 +201,9 @@ def build_sessions(args, world: WorldConfig, settings: Settings, budget: CoreBud
 
 def launch_tp(args, settings: Settings) -> ParallelContext | None:
     if args.pp == 2:
-        if args.tp > 1:
-            raise TPError("--pp 2 runs one generator rank beside rank 0; tensor parallelism inside it (--tp) is "
-                          "not built yet: drop --tp")
-        return ParallelContext.launch(2, settings.device, settings.tp_timeout_s, settings.tp_check_every,
-                                      flag="--pp 2")
+        flag = "--pp 2" + (f" --tp {args.tp}" if args.tp > 1 else "")
+        return ParallelContext.launch(processes(args), settings.device, settings.tp_timeout_s, settings.tp_check_every,
+                                      settings.tp_reduce, flag=flag)
     if args.tp == 1:
         return None
     return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every,

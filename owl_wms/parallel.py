@@ -103,10 +103,13 @@ class ParallelContext:
     """This process's place in a tensor-parallel group, and every collective the model uses."""
 
     def __init__(self, rank: int, world: int, timeout_s: float, check_every: int, reduce_fp32: bool = True,
-                 reduce: str = "exact"):
+                 reduce: str = "exact", group=None, first: int = 0):
+        """``group``: the process group of these ``world`` ranks (default: the whole job), whose
+        rank 0 is the job's rank ``first``; ``rank`` counts within it."""
         if reduce not in ("exact", "sum"):
             raise ValueError(f"tp_reduce {reduce!r} is not one of exact, sum")
         self.rank, self.world, self.timeout_s, self.check_every = rank, world, timeout_s, check_every
+        self.group, self.first = group, first
         self.reduce = reduce  # how sharded inputs are combined (module docstring)
         # gloo reduces bf16 element by element (measured 1.7 ms vs 0.7 ms in fp32 for a 64x256
         # activation on this CPU); fp32 also rounds the sum of partials once. NCCL keeps bf16.
@@ -119,6 +122,20 @@ class ParallelContext:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def job_rank(self, rank: int | None = None) -> int:
+        """``rank`` of this group (default: this process's) as the job numbers it (messages name those)."""
+        return self.first + (self.rank if rank is None else rank)
+
+    def split(self, first: int) -> "ParallelContext | None":
+        """The job's ranks from ``first`` on as a group of their own (the generating mesh beside
+        rank 0); every rank must call this (making a group is collective); None where not a member."""
+        ranks = list(range(first, self.world))
+        group = dist.new_group(ranks)
+        if self.rank not in ranks:
+            return None
+        return ParallelContext(self.rank - first, len(ranks), self.timeout_s, self.check_every, self.reduce_fp32,
+                               self.reduce, group=group, first=first)
 
     @classmethod
     def launch(cls, tp: int, device: str, timeout_s: float, check_every: int,
@@ -193,9 +210,9 @@ class ParallelContext:
         self.collectives += 1
         if self.reduce_fp32 and x.dtype != torch.float32:
             y = x.float()
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.group)
             return y.to(x.dtype)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     @torch.compiler.disable
@@ -204,36 +221,44 @@ class ParallelContext:
         self.collectives += 1
         y = x.float() if self.reduce_fp32 and x.dtype != torch.float32 else x.contiguous()  # lossless
         parts = [torch.empty_like(y) for _ in range(self.world)]
-        dist.all_gather(parts, y)
+        dist.all_gather(parts, y, group=self.group)
         return torch.cat(parts, dim=-1).to(x.dtype)
 
     def agree(self, digest: dict) -> None:
         """Start-up tripwire: every rank's settings, config and weights digest must match rank 0's."""
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, digest)
+        dist.all_gather_object(gathered, digest, group=self.group)
         bad = []
         for r, d in enumerate(gathered):
             diff = sorted(k for k in set(d) | set(gathered[0]) if d.get(k) != gathered[0].get(k))
             if diff:
-                bad.append(f"rank {r} differs from rank 0 in {', '.join(diff)}: "
+                bad.append(f"rank {self.job_rank(r)} differs from rank {self.job_rank(0)} in {', '.join(diff)}: "
                            + "; ".join(f"{k}={d.get(k)!r} vs {gathered[0].get(k)!r}" for k in diff))
         if bad:
             raise TPError("tensor-parallel ranks were started with different settings (every rank must run the "
                           "same command and environment): " + " | ".join(bad))
 
-    def vote(self, error: str | None) -> None:
-        """Every rank says whether it may proceed; if any may not, all raise the same error."""
-        flag = torch.tensor([0 if error is None else 1], device=self.device)
-        dist.all_reduce(flag)
-        if int(flag):
+    def vote(self, error: str | None, offsets: list[int] = ()) -> None:
+        """Every rank says whether it may proceed, and what its cache holds (``offsets``: tokens a
+        layer); if any may not, or the caches differ, all raise the same error."""
+        mine = torch.tensor([0 if error is None else 1, *offsets], dtype=torch.float64, device=self.device)
+        said = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(said, mine, group=self.group)
+        if any(int(s[0]) for s in said):
             errors = [None] * self.world
-            dist.all_gather_object(errors, error)
-            raise TPError("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+            dist.all_gather_object(errors, error, group=self.group)
+            raise TPError("; ".join(f"rank {self.job_rank(r)}: {e}" for r, e in enumerate(errors) if e))
+        for r, theirs in enumerate(said[1:], start=1):
+            if not torch.equal(theirs, said[0]):
+                raise TPError(f"state digest: rank {self.job_rank(r)}'s cache holds {sorted({int(v) for v in theirs[1:]})} "
+                              f"tokens a layer, rank {self.job_rank(0)}'s {sorted({int(v) for v in said[0][1:]})} (a "
+                              "cache reset or write on one rank only)")
 
-    def exchange(self, plan, lifecycle, pending_error: str | None):
-        """Rank 0 sends its plan (None elsewhere); every rank checks it, then all vote."""
+    def exchange(self, plan, lifecycle, pending_error: str | None, offsets: list[int] = ()):
+        """Rank 0 sends its plan (None elsewhere); every rank checks it, then all vote (with what
+        their caches hold)."""
         box = [plan if self.is_leader else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
         plan = box[0]
         error = pending_error
         if error is None:
@@ -241,7 +266,7 @@ class ParallelContext:
                 lifecycle.expect(plan)
             except RuntimeError as exc:
                 error = f"rejected the envelope ({plan.summary()}): {exc}"
-        self.vote(error)
+        self.vote(error, offsets)
         return plan
 
     def check_scalars(self, names: list[str], values: list[float]) -> str:
@@ -249,11 +274,12 @@ class ParallelContext:
         Returns the agreed values as text."""
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(gathered, mine)
+        dist.all_gather(gathered, mine, group=self.group)
         for r, theirs in enumerate(gathered[1:], start=1):
             if not torch.equal(theirs, gathered[0]):
                 diff = [f"{n}={float(a):g} vs {float(b):g}" for n, a, b in zip(names, theirs, gathered[0]) if a != b]
-                raise TPError(f"lifecycle check failed: rank {r} differs from rank 0 in {', '.join(diff)}")
+                raise TPError(f"lifecycle check failed: rank {self.job_rank(r)} differs from rank {self.job_rank(0)} "
+                              f"in {', '.join(diff)}")
         return " ".join(f"{n}={v:g}" for n, v in zip(names, values))
 
     # -- failure -------------------------------------------------------------------------------
@@ -264,7 +290,7 @@ class ParallelContext:
             return  # every rank raised it already (a vote or a check)
         try:
             if not self.store.check([ERROR_KEY]):  # the first rank to fail says why; the others were told
-                self.store.set(ERROR_KEY, f"rank {self.rank}: {type(exc).__name__}: {message or exc}")
+                self.store.set(ERROR_KEY, f"rank {self.job_rank()}: {type(exc).__name__}: {message or exc}")
             dist.destroy_process_group()
             time.sleep(1.0)  # let peers read the store before torchrun stops the job
         except Exception:  # noqa: BLE001 - best effort on the way out
@@ -280,8 +306,8 @@ class ParallelContext:
         except Exception:  # noqa: BLE001
             cause = None
         if cause:
-            return TPError(f"rank {self.rank} stopped because {cause}")
-        err = TPError(f"a collective failed on rank {self.rank} (a peer crashed or exceeded tp_timeout_s="
+            return TPError(f"rank {self.job_rank()} stopped because {cause}")
+        err = TPError(f"a collective failed on rank {self.job_rank()} (a peer crashed or exceeded tp_timeout_s="
                       f"{self.timeout_s:g}s): {str(exc).splitlines()[0][:300]}")
         err.params = ("tp_timeout_s",)  # an app may respell it as its own flag
         return err

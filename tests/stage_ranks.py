@@ -49,7 +49,8 @@ def alone(checkpoint, bias: bool = True) -> list:
     return out
 
 
-def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue) -> None:
+def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue, world: int = 2) -> None:
+    """``world`` 3: ranks 1 and 2 generate, the heads split between them (``--pp 2 --tp 2``)."""
     import torch
     import torch.distributed as dist
 
@@ -57,15 +58,16 @@ def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue) -> No
     from owl_wms.parallel import ParallelContext, is_collective_error
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    ctx = ParallelContext(rank, 2, timeout_s=60, check_every=4)  # a hang is the test's limit to catch
+    ctx = ParallelContext(rank, world, timeout_s=60, check_every=4)  # a hang is the test's limit to catch
     data = None
     try:
-        mine = settings(kv_recompute_every=4) if scenario == "plan_mismatch" and rank == 1 else settings()
-        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=mine, pp=ctx, verbose=False)
-        if rank == 1:
-            inject_mesh(pipe, scenario)
+        mesh = ctx.split(1) if world > 2 else None
+        mine = settings(kv_recompute_every=4) if scenario == "plan_mismatch" and rank == world - 1 else settings()
+        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=mine, pp=ctx, tp=mesh, verbose=False)
+        if rank > 0:
+            inject_mesh(pipe, scenario, rank)
             data = pipe.stages.follow()
         else:
             data = drive(pipe, scenario)
@@ -85,15 +87,19 @@ def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue) -> No
         os._exit(0)
 
 
-def inject_mesh(pipe, scenario: str) -> None:
-    """The mesh's faults."""
+def inject_mesh(pipe, scenario: str, rank: int) -> None:
+    """The mesh's faults: on its leader (rank 1); for ``reset_follower`` on rank 2 (the mesh's
+    other rank); an extra model call on every mesh rank (the generator's code is the same on each:
+    one rank alone calling the model would leave its collectives unanswered)."""
+    if scenario != "extra_call" and (rank == 2) != (scenario == "reset_follower"):
+        return
     execute, runner = pipe.execute, pipe.runner
     count = {"frames": 0}
 
     def counted(plan):
         out = execute(plan)
         count["frames"] += plan.generates
-        if scenario == "reset_one_side" and count["frames"] == 4:
+        if scenario in ("reset_one_side", "reset_follower") and count["frames"] == 4:
             pipe.cache.reset()  # the mesh's cache restarts; rank 0 was not told
         if scenario == "drift" and count["frames"] == 2:
             pipe.lifecycle.since_anchor += 1  # the recompute window's start drifts by a frame here only

@@ -36,6 +36,26 @@ def test_two_stages_render_the_single_process_video_across_a_cut_a_bias_change_a
     assert "wrote" in log and "(14 frames)" in log
 
 
+def test_tensor_parallelism_inside_the_generating_stage_renders_the_single_process_video(tmp_path):
+    """``--pp 2 --tp 2``: rank 0 decodes while ranks 1 and 2 generate, each with half the heads."""
+    one, _ = render(tmp_path, "one", threads=2)
+    three, log = render(tmp_path, "pptp", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                        threads=1, extra=("--pp", "2", "--tp", "2"))
+    assert np.array_equal(one, three)
+    assert "ranks 1-2 generate (tensor parallel" in log and "(14 frames)" in log
+
+
+def test_two_stages_started_with_the_wrong_number_of_processes_say_how_many(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWL_")}, "OWL_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "inference.game_cv", "--headless", "--pp", "2", "--tp", "2", "--frames", "2",
+                        "--out", str(tmp_path / "x.mp4")], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=time_limit(120))
+    assert p.returncode != 0 and "owl_wms/" not in p.stderr and "inference/" not in p.stderr, p.stderr  # torchrun's own report only
+    assert p.stderr.count("error: --pp 2 --tp 2 but torchrun started 2 processes; use --nproc-per-node 3") == 2
+    assert not (tmp_path / "x.mp4").exists()
+
+
 def test_the_window_with_two_stages_records_the_frames_its_saved_actions_render(tmp_path):
     """Rank 0 owns the window (a replayed script with a restart: a live cut, so the frames in
     flight are dropped, never shown); its recording is what a single process makes from the

@@ -22,19 +22,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(scenario: str, limit_s: float = 30) -> dict:
-    """Both ranks' reports {rank: (outcome, message, data)}; fails if either is still running
-    after the time limit (a hang)."""
+def run_ranks(scenario: str, limit_s: float = 30, world: int = 2) -> dict:
+    """Every rank's report {rank: (outcome, message, data)}; fails if one is still running after
+    the time limit (a hang). ``world`` 3: a two-rank tensor-parallel mesh beside rank 0."""
     ctx = multiprocessing.get_context("spawn")
     reports = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, TINY, scenario, reports)) for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, TINY, scenario, reports, world)) for r in range(world)]
     start = time.monotonic()
     for p in procs:
         p.start()
     out = {}
     try:
-        while len(out) < 2:
+        while len(out) < world:
             left = time_limit(limit_s) - (time.monotonic() - start)
             if left <= 0:
                 raise AssertionError(f"{scenario}: a rank still runs after {time_limit(limit_s):.0f} s (a hang); "
@@ -66,6 +66,31 @@ def test_two_stages_give_the_frames_of_one_process_bit_for_bit(expected):
         assert np.array_equal(frame, expected[n]), f"frame {n} differs"
     assert out[1][2] == len(expected)  # frames the mesh made
     assert len({e.tobytes() for e in expected}) == len(expected)
+
+
+def test_a_tensor_parallel_mesh_gives_the_frames_of_one_process_bit_for_bit(expected):
+    out = run_ranks("frames", limit_s=60, world=3)
+    assert all(out[r][0] == "ok" for r in range(3)), out
+    shown = out[0][2]["shown"]
+    assert [n for n, _ in shown] == list(range(len(expected)))
+    for n, frame in shown:
+        assert np.array_equal(frame, expected[n]), f"frame {n} differs"
+    assert out[1][2] == out[2][2] == len(expected)  # both mesh ranks made every frame
+
+
+def test_a_call_count_mismatch_in_a_tensor_parallel_mesh_ends_every_rank_with_the_cause():
+    out = run_ranks("extra_call", limit_s=60, world=3)
+    for rank in range(3):
+        outcome, message = out[rank][:2]
+        assert outcome == "error" and "made 3 model calls" in message and "expected 2" in message, out
+
+
+def test_a_cache_reset_on_one_mesh_rank_trips_the_state_digest_before_the_next_step_on_every_rank():
+    out = run_ranks("reset_follower", limit_s=60, world=3)
+    for rank in range(3):
+        outcome, message = out[rank][:2]
+        assert outcome == "error" and "state digest: rank 2's cache holds" in message \
+            and "a cache reset or write on one rank only" in message, out
 
 
 def test_break_it_1_ranks_started_with_different_plans_fail_at_start_up():

@@ -49,8 +49,9 @@ def startup_text(pipe, n_params: int) -> str:
     text = (f"[owl] world={pipe.world.name}{label} params={n_params / 1e6:.1f}M{per_rank}{weights} "
             f"rope={cfg.rope_impl} window={pipe.window} alpha={pipe.alpha} "
             f"schedule={'>'.join(f'{t:g}' for t in pipe.schedule)} | {s.describe()}")
-    if pipe.tp is not None:
-        text += "\n" + pipe.tp.describe()
+    for part in (pipe.tp, pipe.stages):
+        if part is not None:
+            text += "\n" + part.describe()
     if runner.kv_plan is not None and s.kv != KVSettings():
         text += f"\n[owl] kv plan: {describe_plan(runner.kv_plan)}"
     if runner.describe():

@@ -34,7 +34,8 @@ class CausvidPipeline:
                  weights: str | None = None, runner: ModelRunner | None = None, cache=None,
                  pp: ParallelContext | None = None):
         """``tp``: this rank's tensor-parallel context; ``pp``: this rank's place in two pipeline
-        stages (rank 0 plans and decodes, rank 1 generates: stages.py); ``weights``: what was loaded
+        stages (rank 0 plans and decodes, the other ranks generate: stages.py; with ``tp`` too, the
+        generating ranks split the heads); ``weights``: what was loaded
         (for the start-up line); ``runner``, ``cache``: model calls shared with other sessions, this
         session's cache row."""
         self.world, self.cfg, self.weights = world, world.model, weights
@@ -42,6 +43,8 @@ class CausvidPipeline:
         self.window, self.alpha, self.vae_scale = world.pipeline.window_frames, world.pipeline.history_alpha, world.vae_scale
         n_params = sum(p.numel() for p in model.parameters())  # the whole model, before any sharding
         self.verbose, self.log = verbose and (tp is None or tp.is_leader) and (pp is None or pp.is_leader), print
+        if pp is not None:  # both stages must have been started alike, with the same (unsharded) weights
+            pp.agree(digest(s, world, fingerprint(model)))
         self.tp = TensorParallelSteps(self, tp, model) if tp is not None else None  # shards the model
         cache_cfg = tp.local_config(self.cfg) if tp is not None else self.cfg  # a rank's cache: its heads
         self.runner = runner or ModelRunner(model, decoder, world, s, cache_cfg, tp)
@@ -55,10 +58,7 @@ class CausvidPipeline:
         profile = s.profile_kv and (tp is None or tp.is_leader)  # rank 0's comm time includes waiting
         self.profiler = KVProfiler.attach(self, tp) if profile else NoProfiler()
         self.last_velocity = self._guard_said = None  # the last step's prediction (A/B runs); the guard's report
-        self.stages = None
-        if pp is not None:  # both stages must have been started alike, with the same weights
-            pp.agree(digest(s, world, fingerprint(model)))
-            self.stages = FirstStage(self, pp) if pp.is_leader else Mesh(self, pp)
+        self.stages = None if pp is None else FirstStage(self, pp) if pp.is_leader else Mesh(self, pp)
         if self.verbose:
             self.log(startup_text(self, n_params))
 

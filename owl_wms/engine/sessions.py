@@ -39,7 +39,7 @@ class Sessions:
             raise ValueError("the ring guard (OWL_RING_GUARD) checks one session's cache; run it without --sessions")
         self.world, self.model, self.decoder, self.weights = world, model, decoder, weights
         self.window, self.alpha, self.schedule = world.pipeline.window_frames, world.pipeline.history_alpha, world.pipeline.schedule
-        self.tp = None  # sessions run in one process
+        self.tp = self.stages = None  # sessions run in one process
         self.capacity = capacity
         self.ring = self.runner.new_cache(rows=batch_rows(capacity))
         self.rows: dict[CausvidPipeline, int] = {}  # open sessions -> their ring row

@@ -184,6 +184,13 @@ class FirstStage:
         self.ready: list = []  # (tag, latent) that arrived while a step waited for its own result
         self.dropped = 0
 
+    def describe(self) -> str:
+        mesh = self.ctx.world - 1
+        ranks = "rank 1 generates" if mesh == 1 else (f"ranks 1-{mesh} generate (tensor parallel: each holds "
+                                                      f"{self.pipe.cfg.n_heads // mesh} of {self.pipe.cfg.n_heads} heads)")
+        return (f"[owl] two stages: rank 0 plans and decodes, {ranks}; {self.depth} frame in flight beside the one "
+                f"decoding, lifecycle check every {self.ctx.check_every} steps")
+
     def run(self, plan: StepPlan):
         """The pipeline's step on rank 0: send ``plan`` and wait for its own result."""
         self.send(plan, _OWN)
@@ -279,38 +286,69 @@ def compare_scalars(ctx: ParallelContext, values: list) -> None:
 
 
 class Mesh:
-    """The mesh's side: receive envelopes, check them, run them, answer."""
+    """The mesh's side: its leader (rank 1) receives envelopes, checks them, runs them and
+    answers; with tensor parallelism inside the mesh (``pipe.tp``) the leader's check comes
+    before the plan goes to the other mesh ranks, and they run it in lockstep
+    (tensor_parallel.py)."""
 
     def __init__(self, pipe, ctx: ParallelContext):
         self.pipe, self.ctx = pipe, ctx
         self.link = StageLink(ctx, 0, slot_bytes(pipe.cfg), depth=4)
 
+    def describe(self) -> str:
+        return f"[owl] two stages: rank {self.ctx.rank} generates for rank 0"
+
     def follow(self) -> int:
         """Run rank 0's steps until it stops; returns the frames made."""
         pipe, made = self.pipe, 0
+        if pipe.tp is not None and not pipe.tp.is_leader:
+            return self.follow_leader()
         while True:
             envelope = self.link.receive(ENVELOPE_TAG)
             try:
                 plan = self.check(envelope)
-                if plan.event == "stop":
-                    pipe.lifecycle.finish(plan, 0)
-                    self.link.send(Result(plan.call_id, plan.epoch), RESULT_TAG)
-                    compare_scalars(self.ctx, pipe.lifecycle.scalars())  # the last check, as rank 0's
-                    self.link.flush()
-                    return made
                 before = pipe.runner.calls
-                latent = pipe.execute(plan)
+                latent = self.execute(plan)
                 calls = pipe.runner.calls - before
-            except (LifecycleError, StageError) as exc:
+            except (LifecycleError, TPError) as exc:
+                # a vote of the mesh names its ranks already
+                text = str(exc) if type(exc) is TPError else f"rank {self.ctx.rank}: {exc}"
                 call = getattr(getattr(envelope, "plan", None), "call_id", -1)
-                self.link.send(Result(call, -1, error=f"rank {self.ctx.rank}: {exc}"), RESULT_TAG)
-                self.link.flush()
-                raise StageError(f"rank {self.ctx.rank}: {exc}") from None
+                try:
+                    self.link.send(Result(call, -1, error=text), RESULT_TAG)
+                    self.link.flush()
+                except Exception:  # noqa: BLE001 - rank 0 found the fault too and stopped first
+                    pass
+                raise StageError(text) from None
             made += plan.generates
             offsets = [pipe.cache.get_offset(i) for i in range(pipe.cfg.n_layers)] if hasattr(pipe.cache, "get_offset") else []
             self.link.send(Result(plan.call_id, plan.epoch, calls, latent, offsets), RESULT_TAG)
-            if (plan.call_id + 1) % self.ctx.check_every == 0:
+            if plan.event == "stop" or (plan.call_id + 1) % self.ctx.check_every == 0:
+                compare_scalars(self.ctx, pipe.lifecycle.scalars())  # as rank 0's, when the result arrives
+            if plan.event == "stop":
+                self.link.flush()
+                return made
+
+    def execute(self, plan: StepPlan):
+        """Run a checked plan here, or with the other mesh ranks."""
+        if self.pipe.tp is not None:
+            return self.pipe.tp.run(plan)[1]
+        if plan.event == "stop":
+            self.pipe.lifecycle.finish(plan, 0)
+            return None
+        return self.pipe.execute(plan)
+
+    def follow_leader(self) -> int:
+        """A mesh rank other than its leader: the leader's plans, in lockstep, and the stages'
+        lifecycle checks at the same steps as every other rank."""
+        pipe, made = self.pipe, 0
+        while True:
+            plan, _ = pipe.tp.run(None)
+            made += plan.generates
+            if plan.event == "stop" or (plan.call_id + 1) % self.ctx.check_every == 0:
                 compare_scalars(self.ctx, pipe.lifecycle.scalars())
+            if plan.event == "stop":
+                return made
 
     def check(self, envelope) -> StepPlan:
         """Before anything runs: the version, then the plan against this lifecycle."""

@@ -3,8 +3,10 @@ the model and carries the messages).
 
 At start-up every rank must hold the same settings, config and weights (a digest is compared).
 Rank 0 plans each step and broadcasts the plan; each rank checks it against its own lifecycle
-and the ranks vote before any collective, so a lost step fails every rank at once. A problem
-found after a step (a wrong number of model calls) is voted on at the next step. Every
+and the ranks vote before any collective, so a lost step fails every rank at once; the vote
+carries each rank's cache offsets, so a cache reset or write on one rank fails them all before
+the next step. A problem found after a step (a wrong number of model calls) is voted on at the
+next step. Every
 ``check_every`` steps, and at the stop, the ranks compare their lifecycle scalars and offsets.
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ class TensorParallelSteps:
         execute. Returns (plan, latent or None)."""
         pipe, tp = self.pipe, self.tp
         try:
-            plan = tp.exchange(plan, pipe.lifecycle, self.step_error)
+            offsets = [pipe.cache.get_offset(i) for i in range(pipe.cfg.n_layers)] if pipe.cache is not None else []
+            plan = tp.exchange(plan, pipe.lifecycle, self.step_error, offsets)
             self.step_error = None
             try:
                 x = pipe.execute(plan)
