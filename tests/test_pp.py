@@ -16,9 +16,9 @@ ENV = {"OWL_DTYPE": "fp32", "OWL_KV_RECOMPUTE_EVERY": "4", "OWL_KV_RECOMPUTE_ANC
        "OWL_TP_CHECK_EVERY": "3"}
 
 
-def render(tmp_path, name: str, *launch, threads: int, extra=()):
+def render(tmp_path, name: str, *launch, threads: int, extra=(), script=SCRIPT):
     actions = tmp_path / "actions.jsonl"
-    actions.write_text("".join(json.dumps(a) + "\n" for a in SCRIPT))
+    actions.write_text("".join(json.dumps(a) + "\n" for a in script))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("OWL_")}, **ENV, "OWL_THREADS": str(threads)}
     out = tmp_path / f"{name}.npy"
     p = subprocess.run([sys.executable, *launch, "-m", "inference.game_cv", "--headless", "--actions", str(actions),
@@ -82,16 +82,40 @@ def test_the_window_with_two_stages_records_the_frames_its_saved_actions_render(
     assert np.array_equal(shown, read_frames(tmp_path / "head.mp4"))
 
 
-def test_snapshots_of_a_two_stage_run_are_refused_with_the_reason():
-    from owl_wms.engine import snapshot
+SNAPSHOTS = ([{"mouse": [2.0, 0.0], "buttons": [1] + [0] * 10}] * 3 + [{"event": "snapshot"}]
+             + [{"mouse": [-4.0, 1.0], "buttons": [0, 0, 0, 1] + [0] * 7}] * 5 + [{"event": "restart"}]
+             + [{"mouse": [1.0, 0.0], "buttons": [0] * 11}] * 2 + [{"event": "restore"}]
+             + [{"mouse": [5.0, 0.0], "buttons": [1] + [0] * 10}] * 4 + [{"event": "bias", "value": -1.0},
+                                                                        {"event": "restore"}]
+             + [{"mouse": [0.0, 2.0], "buttons": [0, 1] + [0] * 9}] * 3)
 
-    class Staged:  # what snapshot reads of a pipeline: a two-stage rank 0
-        tp, stages = None, object()
 
-    for call in (lambda: snapshot.get_state(Staged()), lambda: snapshot.load_state(Staged(), {})):
-        try:
-            call()
-        except RuntimeError as exc:
-            assert "two-stage run" in str(exc) and "single-process run" in str(exc)
-        else:
-            raise AssertionError("a snapshot of a two-stage run was not refused")
+def test_snapshots_of_a_two_stage_run_restore_the_single_process_frames(tmp_path):
+    """A snapshot, then a restore after a hard cut and after a bias change, across recomputes:
+    the mesh's cache and lifecycle go back with rank 0's parts."""
+    one, _ = render(tmp_path, "one", threads=2, script=SNAPSHOTS)
+    two, _ = render(tmp_path, "pp", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    threads=1, extra=("--pp", "2"), script=SNAPSHOTS)
+    assert one.shape[0] == 17 and np.array_equal(one, two)
+    assert not np.array_equal(one[3:8], one[10:15])  # the restored branch took other actions: other frames
+
+
+def test_a_snapshot_with_frames_in_flight_or_of_a_split_mesh_is_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from owl_wms.engine.stages import FirstStage
+
+    first = SimpleNamespace(ctx=SimpleNamespace(world=2), pending=[object()], ready=[])  # what exchange_state reads
+    try:
+        FirstStage.exchange_state(first, None)
+    except RuntimeError as exc:
+        assert "1 frames in flight; take them first" in str(exc)
+    else:
+        raise AssertionError("a snapshot with a frame in flight was not refused")
+    first.ctx.world = 3
+    try:
+        FirstStage.exchange_state(first, None)
+    except RuntimeError as exc:
+        assert "split the heads (--tp 2) are not supported" in str(exc)
+    else:
+        raise AssertionError("a snapshot of a split mesh was not refused")

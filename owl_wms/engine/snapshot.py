@@ -1,5 +1,6 @@
 """Pipeline snapshots: the cache, offsets, lifecycle, recompute anchor, noise generator and
-replay position, as tensors + metadata, in memory or in a safetensors file. A snapshot loads
+replay position, as tensors + metadata, in memory or in a safetensors file (two stages: the
+cache comes from and goes back to the generating rank). A snapshot loads
 only into a pipeline of the same world, model, window, schedule and settings, and then
 continues with identical frames."""
 from __future__ import annotations
@@ -34,11 +35,9 @@ def get_state(pipe) -> dict:
     if pipe.tp is not None:
         raise RuntimeError("snapshots of a tensor-parallel pipeline are not supported (each rank holds "
                            "only its heads); snapshot a single-process run")
-    if pipe.stages is not None:
-        raise RuntimeError("snapshots of a two-stage run are not supported (the cache lives on the generating "
-                           "rank); snapshot a single-process run")
+    cache = pipe.stages.cache_state() if pipe.stages is not None else pipe.cache.state_dict()  # two stages: the mesh's
     parts = {"noise": ({"rng": pipe.noise.state()}, {}), "lifecycle": ({}, pipe.lifecycle.state()),
-             "anchor": pipe.recompute_anchor.state(), "replay": pipe.replay.state(), "cache": pipe.cache.state_dict()}
+             "anchor": pipe.recompute_anchor.state(), "replay": pipe.replay.state(), "cache": cache}
     tensors = {f"{name}.{k}": v.detach().clone() for name, (ts, _) in parts.items() for k, v in ts.items()}
     meta = {"format": STATE_FORMAT, "identity": identity(pipe), "world": pipe.world.name,
             "parts": {name: m for name, (_, m) in parts.items()}}
@@ -49,9 +48,6 @@ def get_state(pipe) -> dict:
 def load_state(pipe, state: dict | str | Path):
     """Restore a snapshot from ``get_state`` or a file written by ``save_state``: each part
     restores its own state."""
-    if pipe.stages is not None:
-        raise RuntimeError("snapshots cannot be restored into a two-stage run (the cache lives on the generating "
-                           "rank); restore in a single-process run")
     if not isinstance(state, dict):
         state = read_state(state)
     tensors, meta = state["tensors"], state["meta"]
@@ -68,7 +64,10 @@ def load_state(pipe, state: dict | str | Path):
                          "the file is damaged; save the snapshot again")
     parts = {name: ({k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}, said[name])
              for name in PARTS}
-    pipe.cache.load_state_dict(*parts["cache"])
+    if pipe.stages is not None:  # two stages: the mesh's cache and lifecycle first, refused there or restored
+        pipe.stages.load_cache_state(*parts["cache"], parts["lifecycle"][1])
+    else:
+        pipe.cache.load_state_dict(*parts["cache"])
     pipe.recompute_anchor.restore(*parts["anchor"])
     pipe.replay.restore(*parts["replay"])
     pipe.lifecycle.load_state(parts["lifecycle"][1])

@@ -18,7 +18,10 @@ The lifecycle contract (docs/pipeline_parallel.md):
   ``check_every`` results both ranks all-gather their lifecycle scalars;
 - a hard cut bumps the epoch; a live game sends it at once and the frames still in flight are
   dropped as they arrive (the old world is never shown after a restart), and counted; a script
-  takes them first (``FirstStage.drain``).
+  takes them first (``FirstStage.drain``);
+- a snapshot is taken between frames: rank 0 keeps its parts (noise, lifecycle, anchor, replay)
+  and asks the mesh for its cache (``CacheState``); a restore sends the cache and the lifecycle
+  back, so both stages resume from the same step.
 
 Messages are pickled objects (the job's own processes: TP's envelope travels the same way),
 sent with non-blocking sends so neither side waits on the other's receive; one frame is in
@@ -60,15 +63,29 @@ class Envelope:
 
 
 @dataclass
+class CacheState:
+    """A snapshot's part that lives on the mesh, between the frames (none in flight): ``"save"``
+    asks for the cache's state; ``"load"`` brings one (``tensors``, ``meta``) with the
+    lifecycle's state to resume from (snapshot.py)."""
+    op: str
+    tensors: dict | None = None
+    meta: dict | None = None
+    lifecycle: dict | None = None
+    version: int = STAGE_VERSION
+
+
+@dataclass
 class Result:
     """What the mesh sends back: the step's latent (if it makes a frame), its model calls and
-    the cache as it left it; or the error that stopped the mesh."""
+    the cache as it left it; or the error that stopped the mesh. For a ``CacheState`` "save":
+    the cache's (tensors, meta) in ``state``."""
     call_id: int
     epoch: int
     calls: int = 0
     latent: torch.Tensor | None = None
     offsets: list = field(default_factory=list)
     error: str | None = None
+    state: tuple | None = None
     version: int = STAGE_VERSION
 
 
@@ -270,6 +287,31 @@ class FirstStage:
             scalars[Lifecycle.SCALAR_NAMES.index("model_calls")] = life.model_calls
             compare_scalars(self.ctx, scalars)
 
+    # -- snapshots: the cache is the mesh's --------------------------------------------------------
+    def cache_state(self) -> tuple[dict, dict]:
+        """The mesh cache's (tensors, meta), for a snapshot taken between frames."""
+        return self.exchange_state(CacheState("save")).state
+
+    def load_cache_state(self, tensors: dict, meta: dict, lifecycle: dict) -> None:
+        """The mesh's cache and lifecycle become a snapshot's (rank 0 restores its own parts)."""
+        self.exchange_state(CacheState("load", tensors, meta, lifecycle))
+
+    def exchange_state(self, message: CacheState) -> Result:
+        if self.ctx.world > 2:
+            raise RuntimeError(f"snapshots of a two-stage run whose generating ranks split the heads (--tp "
+                               f"{self.ctx.world - 1}) are not supported (each holds only its heads); drop --tp")
+        if self.pending or self.ready:
+            raise RuntimeError(f"a snapshot with {len(self.pending) + len(self.ready)} frames in flight; take them "
+                               "first (FirstStage.drain): a snapshot is taken between frames")
+        self.link.send(message, ENVELOPE_TAG)
+        result = self.link.receive(RESULT_TAG)
+        if not isinstance(result, Result) or result.version != STAGE_VERSION:
+            raise StageError(f"rank 0: the mesh answered a cache {message.op} with {type(result).__name__} version "
+                             f"{getattr(result, 'version', None)!r}; this build speaks {STAGE_VERSION}")
+        if result.error is not None:
+            raise StageError(f"rank {MESH} stopped: {result.error}")
+        return result
+
     def stop(self) -> None:
         """The mesh stops, after the frames in flight (dropped: the caller took what it wanted)."""
         self.drain()
@@ -305,6 +347,9 @@ class Mesh:
             return self.follow_leader()
         while True:
             envelope = self.link.receive(ENVELOPE_TAG)
+            if isinstance(envelope, CacheState):
+                self.link.send(self.serve_state(envelope), RESULT_TAG)
+                continue
             try:
                 plan = self.check(envelope)
                 before = pipe.runner.calls
@@ -328,6 +373,23 @@ class Mesh:
             if plan.event == "stop":
                 self.link.flush()
                 return made
+
+    def serve_state(self, message: CacheState) -> Result:
+        """Rank 0's snapshot request between frames; a refused one leaves the cache as it was."""
+        pipe, life = self.pipe, self.pipe.lifecycle
+        try:
+            if message.version != STAGE_VERSION or message.op not in ("save", "load"):
+                raise ValueError(f"cache state message {message.op!r} version {message.version!r}; this build speaks "
+                                 f"save/load version {STAGE_VERSION}")
+            if pipe.tp is not None:
+                raise ValueError("the generating ranks split the heads: snapshots are not supported")
+            if message.op == "save":
+                return Result(life.call_id, life.epoch, state=pipe.cache.state_dict())
+            pipe.cache.load_state_dict(message.tensors, message.meta)
+            life.load_state(message.lifecycle)
+            return Result(life.call_id, life.epoch)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            return Result(life.call_id, life.epoch, error=f"rank {self.ctx.rank}: cache {message.op}: {exc}")
 
     def execute(self, plan: StepPlan):
         """Run a checked plan here, or with the other mesh ranks."""
