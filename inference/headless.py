@@ -123,9 +123,9 @@ def follow(build) -> int:
     this rank runs its steps until it stops."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
     pipe = build()
     end_startup()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops everyone
     (pipe.stages or pipe.tp).follow()
     return 0
 

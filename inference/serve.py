@@ -2,6 +2,7 @@
 
     python -m inference.serve                        # then open the printed URL
     python -m inference.serve --host 0.0.0.0 --port 8000 --max-sessions 4
+    torchrun --nproc-per-node 2 -m inference.serve --pp 2   # rank 0 serves and decodes, rank 1 generates
 
 The page, the protocol, admission and scaling out behind nginx: docs/serve.md.
 """
@@ -31,6 +32,7 @@ from owl_wms.config import ConfigError  # noqa: E402
 from owl_wms.engine.sessions import Sessions, batch_rows  # noqa: E402
 from owl_wms.loading import CheckpointError  # noqa: E402
 from owl_wms.maze.worlds import check_simulator  # noqa: E402
+from owl_wms.parallel import ParallelContext, TPError, is_collective_error  # noqa: E402
 from owl_wms.settings import SettingsError  # noqa: E402
 
 from .flags import flag_message, warnings_as_lines  # noqa: E402
@@ -41,7 +43,8 @@ from .web.app import Limits, create_app  # noqa: E402
 from .web.protocol import MAX_LEVEL, MAX_MESSAGE_BYTES, MAX_SEED  # noqa: E402
 from .web.scheduler import Scheduler, ServeOptions  # noqa: E402
 
-USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError, OSError)
+USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError, OSError,
+               TPError)
 
 
 def parse_args(argv=None):
@@ -66,7 +69,13 @@ def parse_args(argv=None):
                    help="folder for each session's action file and start (to re-render it headless)")
     p.add_argument("--one-by-one", action="store_true",
                    help="step each session with its own model calls, one after another (the baseline batching beats)")
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2),
+                   help="2: two pipeline stages, rank 0 serving the pages and decoding while rank 1 makes every "
+                        "step's frames (launch with torchrun --nproc-per-node 2)")
     args = p.parse_args(argv)
+    if args.pp == 2 and args.one_by_one:
+        p.error("--one-by-one steps each session in this process; with --pp 2 rank 1 makes every step in one batched "
+                "call: drop one of them")
     for flag, value, lo, hi in (("--port", args.port, 0, 65535), ("--max-sessions", args.max_sessions, 1, 1024),
                                 ("--session-limit", args.session_limit, 1, 1024), ("--quality", args.quality, 1, 95),
                                 ("--world-seed", args.world_seed, 0, MAX_LEVEL), ("--seed", args.seed, 0, MAX_SEED)):
@@ -76,7 +85,7 @@ def parse_args(argv=None):
                         ("--max-fps", args.max_fps)):
         if value is not None and not 0 < value <= 100_000:
             p.error(f"{flag} {value}: must be a positive number")
-    args.tp = args.pp = 1  # the settings of one process (game_cv.run_settings)
+    args.tp = 1  # no tensor parallelism here (game_cv.run_settings)
     return args
 
 
@@ -110,13 +119,18 @@ def main(argv=None) -> int:
         except (AttributeError, ValueError, OSError):  # no terminal to write to
             pass
     keep_graphs_between_starts()
-    temporary = None
+    temporary = ctx = None
     try:
-        sock = listen(args.host, args.port)
         # A server keeps its thread count (OWL_THREADS, or the physical cores): following the cores
         # other processes leave free, as the window does, switched graphs mid-game and measured
         # seconds-long stalls beside the players' own clients.
         world, settings, _ = run_settings(args)
+        if args.pp == 2:
+            ctx = ParallelContext.launch(2, settings.device, settings.tp_timeout_s, settings.tp_check_every,
+                                         flag="--pp 2")
+            if not ctx.is_leader:
+                return generate(args, world, settings, ctx)
+        sock = listen(args.host, args.port)
         check_simulator(world)
         options = ServeOptions(max_sessions=args.max_sessions, session_limit=args.max_sessions or args.session_limit,
                                target_fps=args.target_fps, batched=not args.one_by_one, clip=clip_arg(args.clip),
@@ -128,13 +142,21 @@ def main(argv=None) -> int:
               f"players ...", flush=True)
 
         def build():
-            return Sessions.from_checkpoint(world, args.ckpt, settings=settings, capacity=limit, weights=args.weights)
+            return Sessions.from_checkpoint(world, args.ckpt, settings=settings, capacity=limit, weights=args.weights,
+                                            pp=ctx)
 
         def ready(scheduler):
-            rows = sorted({batch_rows(n) for n in range(1, limit + 1)}) if options.batched else (1,)
-            compile_in_background(scheduler.sessions.runner, settings, None, rows)
+            if ctx is None:  # two stages: rank 1 compiles, rank 0 never calls the model
+                compile_in_background(scheduler.sessions.runner, settings, None, serve_rows(options))
 
-        scheduler = Scheduler(build, options, on_ready=ready)
+        running = []  # the web server, once it runs
+
+        def failed(error):  # two stages broke: the other rank is told, and this server stops
+            ctx.fail(error)
+            for web in running:
+                web.should_exit = True
+
+        scheduler = Scheduler(build, options, on_ready=ready, on_fail=failed)
         scheduler.start()
         scheduler.ready.wait()
         if scheduler.error is not None:
@@ -148,18 +170,51 @@ def main(argv=None) -> int:
         if args.record_dir is None:  # made once start-up is over: an interrupted start leaves nothing
             temporary = tempfile.mkdtemp(prefix="owl-recordings-")
             options.record_dir = Path(temporary)
-        return serve(scheduler, sock, Limits(idle_timeout=args.idle_timeout))
+        code = serve(scheduler, sock, Limits(idle_timeout=args.idle_timeout), running)
+        if isinstance(scheduler.error, TPError) or is_collective_error(scheduler.error):
+            raise scheduler.error
+        return code
     except USER_ERRORS as exc:
-        print(f"error: {flag_message(exc)}", file=sys.stderr)
+        if ctx is not None:
+            ctx.fail(exc, flag_message(exc))
+        prefix = f"rank {ctx.rank}: " if ctx is not None and not isinstance(exc, TPError) else ""
+        print(f"error: {prefix}{flag_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BaseException as exc:
+        if ctx is not None and is_collective_error(exc):  # the other rank failed first: its reason
+            print(f"error: rank {ctx.rank}: {flag_message(ctx.explain(exc))}", file=sys.stderr)
+            return 2
+        if ctx is not None:
+            ctx.fail(exc, flag_message(exc))
+        raise
     finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
+        if ctx is not None:
+            ctx.shutdown()
 
 
-def serve(scheduler: Scheduler, sock: socket.socket, limits: Limits) -> int:
+def serve_rows(options: ServeOptions) -> list[int]:
+    """The padded batch sizes a server's steps run at (a compiled graph each)."""
+    return sorted({batch_rows(n) for n in range(1, options.session_limit + 1)}) if options.batched else [1]
+
+
+def generate(args, world, settings, ctx: ParallelContext) -> int:
+    """Rank 1 of ``--pp 2``: every session's cache and every step's frames, until rank 0 stops."""
+    limit = args.max_sessions or args.session_limit
+    sessions = Sessions.from_checkpoint(world, args.ckpt, settings=settings, capacity=limit, weights=args.weights,
+                                        pp=ctx, verbose=False)
+    compile_in_background(sessions.runner, settings, None, sorted({batch_rows(n) for n in range(1, limit + 1)}))
+    end_startup()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it stops the server, then this rank
+    sessions.follow()
+    return 0
+
+
+def serve(scheduler: Scheduler, sock: socket.socket, limits: Limits, running: list | None = None) -> int:
+    """Serve the pages until stopped (``running`` gets the web server: a failure elsewhere stops it)."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
@@ -167,8 +222,11 @@ def serve(scheduler: Scheduler, sock: socket.socket, limits: Limits) -> int:
     print(f"[owl] serving at http://{shown}:{port}/ : open it in a browser to play (Ctrl-C stops)", flush=True)
     config = uvicorn.Config(create_app(scheduler, limits), ws="websockets-sansio", ws_max_size=MAX_MESSAGE_BYTES,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=3)
+    web = uvicorn.Server(config)
+    if running is not None:
+        running.append(web)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        web.run(sockets=[sock])
     finally:
         scheduler.stop()
         scheduler.join(timeout=10)

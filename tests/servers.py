@@ -25,15 +25,17 @@ class Server:
     """``with Server("--max-sessions", 2) as s: s.url``: a server on a free loopback port (eager,
     so its frames are the headless runs'), stopped with Ctrl-C at the end; ``s.output`` holds what it printed."""
 
-    def __init__(self, *args, env: dict | None = None, start_s: float = 180):
-        self.args, self.env, self.start_s = [str(a) for a in args], env or {}, start_s
+    def __init__(self, *args, env: dict | None = None, start_s: float = 180, launch=()):
+        """``launch``: what starts the module instead of plain python (torchrun and its flags)."""
+        self.args, self.env, self.start_s, self.launch = [str(a) for a in args], env or {}, start_s, list(launch)
         self.lines: list[str] = []
 
     def __enter__(self) -> "Server":
         env = {k: v for k, v in os.environ.items() if not k.startswith("OWL_") or k == "OWL_THREADS"}
         env.update({"OWL_COMPILE": "0", **self.env})
-        self.proc = subprocess.Popen([sys.executable, "-m", "inference.serve", "--port", "0", *self.args], cwd=REPO,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen([sys.executable, *self.launch, "-m", "inference.serve", "--port", "0", *self.args],
+                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=bool(self.launch))
         threading.Thread(target=self._drain, daemon=True).start()
         deadline = time.monotonic() + self.start_s
         while time.monotonic() < deadline:
@@ -61,8 +63,12 @@ class Server:
             return json.loads(r.read())
 
     def stop(self) -> int:
+        """Ctrl-C (under torchrun: to the whole process group, as a terminal sends it)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            if self.launch:
+                os.killpg(self.proc.pid, signal.SIGINT)
+            else:
+                self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:

@@ -15,7 +15,7 @@ from websockets.exceptions import ConnectionClosed
 from inference.web import protocol
 from inference.web.protocol import ProtocolError
 
-from .conftest import run_main
+from .conftest import REPO, run_main
 from .servers import Player, Server
 
 FP32 = {"OWL_DTYPE": "fp32"}
@@ -250,6 +250,44 @@ def test_decoding_beside_the_model_thread_serves_each_player_the_frames_of_its_r
         actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
         made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
         want = alone(tmp_path, 30 + i, str(actions), made, f"p{i}")
+        worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
+        assert worst <= FRAME_TOLERANCE, (i, worst)
+
+
+def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):
+    """``--pp 2``: rank 0 serves the pages and decodes while rank 1 makes every step's frames in
+    one batched call; a player joins late, one restarts, one leaves, and the server stops cleanly."""
+    with Server("--pp", 2, "--max-sessions", 3, "--save-actions", tmp_path / "actions", env=FP32,
+                launch=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")) as server:
+        health = server.health()
+        assert health["stages"] == 2 and health["capacity"] == 3
+        players = [Player(server.ws_url, seed=40 + i, format="png") for i in range(2)]
+        for f in range(14):
+            if f == 4:
+                players.append(Player(server.ws_url, seed=42, format="png"))
+            for i, p in enumerate(players):
+                p.controls(mouse=(2.0 * i - 1.0, 0.5), buttons=(1,) + (0,) * 10)
+                if i == 1 and f == 6:
+                    p.send({"type": "event", "name": "restart"})
+            for p in players:
+                p.next_frame()
+        players[0].close()
+        for f in range(3):
+            for p in players[1:]:
+                p.controls(mouse=(0.0, 1.0), buttons=(0, 1) + (0,) * 9)
+            for p in players[1:]:
+                p.next_frame()
+        for p in players[1:]:
+            p.close()
+        server.stop()  # Ctrl-C: torchrun reports the signal it got; the ranks stop cleanly
+    assert "rank 1 makes each step's frames in one batched call" in server.output
+    ours = [line for line in server.output.splitlines() if f'File "{REPO}/' in line and "/.venv/" not in line]
+    assert not ours and "error:" not in server.output, server.output  # no traceback or error from either rank
+    for i, p in enumerate(players):
+        actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
+        made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
+        assert made >= len(p.frames) >= 10  # frames made while a page closed were never read
+        want = alone(tmp_path, 40 + i, str(actions), made, f"p{i}")
         worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
         assert worst <= FRAME_TOLERANCE, (i, worst)
 

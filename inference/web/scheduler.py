@@ -31,6 +31,7 @@ from owl_wms.engine import CausvidPipeline
 from owl_wms.engine.decode_stage import DecodeStage
 from owl_wms.engine.sessions import Sessions, batch_rows
 from owl_wms.maze.worlds import load_level
+from owl_wms.parallel import TPError, is_collective_error
 
 from ..actions import action_line, apply_event
 from ..video import MIN_FREE, Mp4Writer
@@ -125,11 +126,12 @@ def encode_image(frame: np.ndarray, fmt: str, quality: int) -> bytes:
 
 
 class Scheduler(threading.Thread):
-    def __init__(self, build, options: ServeOptions, on_ready=None, log=print):
+    def __init__(self, build, options: ServeOptions, on_ready=None, log=print, on_fail=None):
         """``build()`` -> ``Sessions`` (run on this thread: on the CPU torch's thread pool belongs
-        to the thread that first runs it); ``on_ready(scheduler)`` runs here once it is built."""
+        to the thread that first runs it); ``on_ready(scheduler)`` runs here once it is built;
+        ``on_fail(error)`` when the stages of a two-stage server fail (the server cannot go on)."""
         super().__init__(daemon=True, name="owl-serve-steps")
-        self.build, self.opt, self.on_ready, self.log = build, options, on_ready, log
+        self.build, self.opt, self.on_ready, self.log, self.on_fail = build, options, on_ready, log, on_fail
         self.sessions: Sessions | None = None
         self.players: list[Player] = []  # this thread's
         self.joined = 0
@@ -183,8 +185,10 @@ class Scheduler(threading.Thread):
             # (on the CPU, torch ops on a second thread would slow this one's about twice, measured)
             self.frame_size = list(self.sessions.runner.decoder.frame_shape(self.sessions.world.model.sample_size))
             self._measure_capacity()  # first, on a quiet machine
-            if self.sessions.settings.decode == "async":  # a step's frames decode while the next is made
-                self.stage = DecodeStage(self._decode_and_encode, threads=self.sessions.settings.decode_threads)
+            staged = self.sessions.stages is not None  # two stages: rank 1 makes the next step meanwhile
+            if self.sessions.settings.decode == "async" or staged:  # a step's frames decode while the next is made
+                self.stage = DecodeStage(self._decode_and_encode, threads=self.sessions.settings.threads if staged
+                                         else self.sessions.settings.decode_threads)
             self._publish()
             if self.on_ready is not None:  # (a background compile starts with the first player, or soon)
                 self.on_ready(self)
@@ -195,15 +199,30 @@ class Scheduler(threading.Thread):
         self.ready.set()
         try:
             self._loop()
+        except TPError as exc:  # the stages disagree or the generating rank failed: nothing more can be made
+            self.error = exc
+        except RuntimeError as exc:
+            if not is_collective_error(exc):
+                traceback.print_exc(file=sys.stderr)
+            self.error = exc
         except BaseException as exc:  # /healthz says so (503)
             traceback.print_exc(file=sys.stderr)
             self.error = exc
         finally:
             if self.stage is not None:
                 self.stage.close()
+            broken = isinstance(self.error, TPError) or is_collective_error(self.error)
             for player in list(self.players):
-                self._leave(player)
+                if broken:
+                    player.send({"type": "error", "code": "server_failed", "message": str(self.error), "close": True})
+                    self.players.remove(player)
+                else:
+                    self._leave(player)
             self._run_tasks(refuse=RuntimeError("the server is stopping"))
+            if broken and self.on_fail is not None:
+                self.on_fail(self.error)
+            elif self.sessions is not None:
+                self.sessions.shut_down()  # two stages: the generating rank stops
 
     def _loop(self):
         next_step = time.perf_counter()
@@ -315,7 +334,7 @@ class Scheduler(threading.Thread):
                       "step_ms": {str(n): round(s * 1000, 2) for n, s in sorted(self.step_s.items())},
                       "last_step_ms": round(self.last_step_s * 1000, 2), "frames": self.frames_made,
                       "batched": self.opt.batched, "measured_with": self.measured_with,
-                      "decode": self.sessions.settings.decode}
+                      "decode": self.sessions.settings.decode, "stages": 1 if self.sessions.stages is None else 2}
 
     def _join(self, hello: Hello, send) -> Player:
         if len(self.players) >= self.capacity:
@@ -432,6 +451,8 @@ class Scheduler(threading.Thread):
                 self.stage.submit(([latents[p.pipe] for p in stepping], [p.format for p in stepping]),
                                   tag=(stepping, taken, {p: p.pipe.cache_epoch for p in stepping}))
         except Exception as exc:  # the step as a whole failed: its players end, the server goes on
+            if isinstance(exc, TPError) or is_collective_error(exc):  # two stages broke: the server cannot go on
+                raise
             traceback.print_exc(file=sys.stderr)
             for player in stepping:
                 player.send({"type": "error", "code": "step_failed", "message": f"the server could not make the "

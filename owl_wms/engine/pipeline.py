@@ -32,12 +32,13 @@ class CausvidPipeline:
     def __init__(self, model, decoder: FrameDecoder | None, world: WorldConfig, settings: Settings | None = None,
                  ground_truth: bool = False, verbose: bool = True, tp: ParallelContext | None = None,
                  weights: str | None = None, runner: ModelRunner | None = None, cache=None,
-                 pp: ParallelContext | None = None):
+                 pp: ParallelContext | None = None, stage=None):
         """``tp``: this rank's tensor-parallel context; ``pp``: this rank's place in two pipeline
         stages (rank 0 plans and decodes, the other ranks generate: stages.py; with ``tp`` too, the
         generating ranks split the heads); ``weights``: what was loaded
         (for the start-up line); ``runner``, ``cache``: model calls shared with other sessions, this
-        session's cache row."""
+        session's cache row; ``stage(pipe)``: this session's ``FirstStage`` on a link that sessions
+        share (session_stages.py)."""
         self.world, self.cfg, self.weights = world, world.model, weights
         self.settings = s = settings or Settings.from_config(world.inference)
         self.window, self.alpha, self.vae_scale = world.pipeline.window_frames, world.pipeline.history_alpha, world.vae_scale
@@ -58,7 +59,8 @@ class CausvidPipeline:
         profile = s.profile_kv and (tp is None or tp.is_leader)  # rank 0's comm time includes waiting
         self.profiler = KVProfiler.attach(self, tp) if profile else NoProfiler()
         self.last_velocity = self._guard_said = None  # the last step's prediction (A/B runs); the guard's report
-        self.stages = None if pp is None else FirstStage(self, pp) if pp.is_leader else Mesh(self, pp)
+        self.stages = stage(self) if stage is not None else None if pp is None else \
+            FirstStage(self, pp) if pp.is_leader else Mesh(self, pp)
         if self.verbose:
             self.log(startup_text(self, n_params))
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 import torch
 
 from ..controls import N_BUTTONS, to_uint8
+from ..parallel import ParallelContext, digest, fingerprint
 from ..settings import Settings
 from .build import load_parts, startup_text
 from .pipeline import CausvidPipeline
 from .runner import ModelRunner
+from .session_stages import SessionsFirstStage, SessionsMesh
 
 
 def batch_rows(n: int) -> int:
@@ -27,10 +29,14 @@ def batch_rows(n: int) -> int:
 
 class Sessions:
     def __init__(self, model, decoder, world, settings: Settings | None = None, capacity: int = 8,
-                 verbose: bool = True, weights: str | None = None):
+                 verbose: bool = True, weights: str | None = None, pp: ParallelContext | None = None):
+        """``pp``: this rank's place in two stages (rank 0 plans and decodes every session's
+        frames, rank 1 makes them: session_stages.py)."""
         if not 1 <= capacity <= 1024:
             raise ValueError(f"sessions capacity {capacity} must be a whole number in [1, 1024]")
         self.settings = settings or Settings.from_config(world.inference)
+        if pp is not None:  # both stages must have been started alike, with the same weights
+            pp.agree(digest(self.settings, world, fingerprint(model)))
         self.runner = ModelRunner(model, decoder, world, self.settings)
         if not self.runner.uses_ring:
             raise ValueError(f"several sessions in one call need the in-place ring cache (OWL_RING_MODE=inplace); "
@@ -39,39 +45,59 @@ class Sessions:
             raise ValueError("the ring guard (OWL_RING_GUARD) checks one session's cache; run it without --sessions")
         self.world, self.model, self.decoder, self.weights = world, model, decoder, weights
         self.window, self.alpha, self.schedule = world.pipeline.window_frames, world.pipeline.history_alpha, world.pipeline.schedule
-        self.tp = self.stages = None  # sessions run in one process
+        self.tp = None  # sessions run in one process, or beside one generating rank
+        self.stages = None if pp is None else SessionsFirstStage(self, pp) if pp.is_leader else SessionsMesh(self, pp)
         self.capacity = capacity
         self.ring = self.runner.new_cache(rows=batch_rows(capacity))
         self.rows: dict[CausvidPipeline, int] = {}  # open sessions -> their ring row
-        if verbose:
+        if verbose and (pp is None or pp.is_leader):
             n_params = sum(p.numel() for p in model.parameters())
             print(startup_text(self, n_params) + f"\n[owl] sessions: up to {capacity} in one call", flush=True)
 
     @classmethod
     def from_checkpoint(cls, checkpoint=None, ckpt_path=None, settings: Settings | None = None, capacity: int = 8,
-                        verbose: bool = True, weights: str | None = None) -> "Sessions":
-        world, model, decoder, described = load_parts(checkpoint, ckpt_path, weights)
-        return cls(model, decoder, world, settings, capacity, verbose, described)
+                        verbose: bool = True, weights: str | None = None, pp: ParallelContext | None = None) -> "Sessions":
+        world, model, decoder, described = load_parts(checkpoint, ckpt_path, weights, pp is None or pp.is_leader)
+        return cls(model, decoder, world, settings, capacity, verbose, described, pp)
 
-    def open(self, seed: int | None = None, clip=0, ground_truth: bool = False) -> CausvidPipeline:
-        """A new session in the lowest free row, its history from ``clip`` (None: load one later)
-        and its noise from ``seed`` (default: the settings')."""
+    def open(self, seed: int | None = None, clip=0, ground_truth: bool = False, row: int | None = None) -> CausvidPipeline:
+        """A new session in the lowest free row (or ``row``), its history from ``clip`` (None: load
+        one later) and its noise from ``seed`` (default: the settings')."""
         free = [r for r in range(self.capacity) if r not in self.rows.values()]
-        if not free:
-            raise RuntimeError(f"all {self.capacity} sessions are open; close one first")
+        if not free or (row is not None and row not in free):
+            raise RuntimeError(f"all {self.capacity} sessions are open; close one first" if not free
+                               else f"session row {row} is taken")
+        row = free[0] if row is None else row
         settings = self.settings if seed is None else self.settings.replace(seed=seed)
+        first = isinstance(self.stages, SessionsFirstStage)
         pipe = CausvidPipeline(self.model, self.decoder, self.world, settings, ground_truth=ground_truth,
                                verbose=False, weights=self.weights, runner=self.runner,
-                               cache=self.ring.rows(free[0], free[0] + 1))
-        self.rows[pipe] = free[0]
+                               cache=self.ring.rows(row, row + 1),
+                               stage=(lambda p: self.stages.attach(p, row)) if first else None)
+        self.rows[pipe] = row
         if clip is not None:
             pipe.load_clip(clip)
         return pipe
 
     def close(self, pipe: CausvidPipeline) -> None:
-        """The session leaves; its row is free for the next one."""
-        if self.rows.pop(pipe, None) is None:
+        """The session leaves; its row is free for the next one (two stages: after its stop)."""
+        if pipe not in self.rows:
             raise ValueError("this session is not open here")
+        try:
+            pipe.close()
+        finally:
+            del self.rows[pipe]
+
+    def shut_down(self) -> None:
+        """Rank 0 of two stages: the generating rank stops (every session closed first)."""
+        if isinstance(self.stages, SessionsFirstStage):
+            for pipe in list(self.rows):
+                self.close(pipe)
+            self.stages.stop()
+
+    def follow(self) -> int:
+        """The generating rank of two stages: rank 0's steps until it shuts down."""
+        return self.stages.follow()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -84,11 +110,21 @@ class Sessions:
         unknown = [p for p in controls if p not in self.rows]
         if unknown:
             raise ValueError(f"{len(unknown)} of the sessions given are not open here")
-        order = sorted(controls, key=self.rows.get)
-        plans, calls = {}, {}
-        for pipe in order:
+        plans = {}
+        for pipe in sorted(controls, key=self.rows.get):
             mouse, buttons, *commit = controls[pipe]
             plans[pipe] = pipe.plan_frame(mouse, buttons, commit=commit[0] if commit else True)
+        if self.stages is not None:  # rank 0 of two stages: the generating rank runs them
+            return self.stages.step(plans)
+        return self.run(plans)[0]
+
+    @torch.no_grad()
+    def run(self, plans: dict) -> tuple[dict, dict]:
+        """Run one step's frame plans ({session: plan}, in row order): ({session: latent}, {session:
+        model calls}). Recomputes rebuild their session's row first; then every denoising step is
+        one call."""
+        order, calls = list(plans), {}
+        for pipe in order:
             calls[pipe] = pipe.write_history(plans[pipe])  # a recompute: this session's row alone
         n = batch_rows(max(self.rows[p] for p in order) + 1)
         cfg, dev, dtype = self.world.model, self.runner.device, self.settings.dtype
@@ -105,8 +141,9 @@ class Sessions:
         latents = {}
         for pipe in order:  # each session made its frame in the batch's calls
             latent = latents[pipe] = out[self.rows[pipe]][None]
-            pipe.finish_frame(plans[pipe], latent, calls[pipe] + self.runner.calls - before)
-        return latents
+            calls[pipe] += self.runner.calls - before
+            pipe.finish_frame(plans[pipe], latent, calls[pipe])
+        return latents, calls
 
     @torch.no_grad()
     def decode(self, latents: list[torch.Tensor]) -> torch.Tensor:

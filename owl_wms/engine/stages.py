@@ -192,11 +192,12 @@ class FirstStage:
     hard cut shows every frame (a script); one that does not (a game) never sees the frames made
     before the cut: they are dropped by epoch as they arrive, and counted in ``dropped``."""
 
-    def __init__(self, pipe, ctx: ParallelContext, depth: int = 1):
+    def __init__(self, pipe, ctx: ParallelContext, depth: int = 1, session: int = 0, link: StageLink | None = None):
         """``depth``: frames in flight beside the one just sent (one keeps rank 1 busy: the next
-        envelope is there before it finishes a frame)."""
-        self.pipe, self.ctx, self.depth = pipe, ctx, depth
-        self.link = StageLink(ctx, MESH, slot_bytes(pipe.cfg), depth=2 * (depth + 1))
+        envelope is there before it finishes a frame); ``session``, ``link``: one of several
+        sessions sharing a link to the mesh (session_stages.py)."""
+        self.pipe, self.ctx, self.depth, self.session = pipe, ctx, depth, session
+        self.link = link or StageLink(ctx, MESH, slot_bytes(pipe.cfg), depth=2 * (depth + 1))
         self.pending: collections.deque = collections.deque()  # (plan, tag, lifecycle scalars after it)
         self.ready: list = []  # (tag, latent) that arrived while a step waited for its own result
         self.dropped = 0
@@ -244,7 +245,7 @@ class FirstStage:
 
     def send(self, plan: StepPlan, tag) -> None:
         check_plan(plan, self.pipe.lifecycle)  # before any header goes out
-        self.link.send(Envelope(plan), ENVELOPE_TAG)
+        self.link.send(Envelope(plan, self.session), ENVELOPE_TAG)
         self.pipe.lifecycle.advance(plan)
         self.pending.append((plan, tag, self.pipe.lifecycle.scalars()))
 
@@ -252,7 +253,11 @@ class FirstStage:
         """The next result, checked: (tag, latent), latent None for a step without a frame or a
         frame of an older epoch (dropped)."""
         plan, tag, scalars = self.pending.popleft()
-        result = self.link.receive(RESULT_TAG)
+        return tag, self.accept(plan, self.link.receive(RESULT_TAG), scalars)
+
+    def accept(self, plan: StepPlan, result, scalars: list):
+        """``plan``'s result, checked: its latent, or None for a step without a frame or a frame
+        of an older epoch (dropped). ``scalars``: the lifecycle's just after ``plan``."""
         if not isinstance(result, Result) or result.version != STAGE_VERSION:
             raise StageError(f"rank 0: the mesh answered with {type(result).__name__} version "
                              f"{getattr(result, 'version', None)!r}; this build speaks {STAGE_VERSION}")
@@ -263,13 +268,13 @@ class FirstStage:
                              f"{plan.call_id} (epoch {plan.epoch}) was next")
         self.check(plan, result, scalars)
         if not plan.generates:
-            return tag, None
+            return None
         if plan.epoch < self.pipe.lifecycle.epoch:  # made before a hard cut: never shown
             self.dropped += 1
-            return tag, None
+            return None
         if plan.commit:
             self.pipe.planner.recompute_anchor.add(result.latent[0, 0], plan.mouse, plan.buttons)
-        return tag, result.latent
+        return result.latent
 
     def check(self, plan: StepPlan, result: Result, scalars: list) -> None:
         life = self.pipe.lifecycle
@@ -366,8 +371,7 @@ class Mesh:
                     pass
                 raise StageError(text) from None
             made += plan.generates
-            offsets = [pipe.cache.get_offset(i) for i in range(pipe.cfg.n_layers)] if hasattr(pipe.cache, "get_offset") else []
-            self.link.send(Result(plan.call_id, plan.epoch, calls, latent, offsets), RESULT_TAG)
+            self.link.send(Result(plan.call_id, plan.epoch, calls, latent, offsets_of(pipe)), RESULT_TAG)
             if plan.event == "stop" or (plan.call_id + 1) % self.ctx.check_every == 0:
                 compare_scalars(self.ctx, pipe.lifecycle.scalars())  # as rank 0's, when the result arrives
             if plan.event == "stop":
@@ -413,14 +417,23 @@ class Mesh:
                 return made
 
     def check(self, envelope) -> StepPlan:
-        """Before anything runs: the version, then the plan against this lifecycle."""
-        version = getattr(envelope, "version", None)
-        if not isinstance(envelope, Envelope) or version != STAGE_VERSION:
-            raise StageError(f"envelope version {version!r} ({type(envelope).__name__}); this build speaks "
-                             f"{STAGE_VERSION}")
-        plan = envelope.plan
-        if plan.reset and plan.history is None:
-            raise StageError(f"the {plan.event} envelope (call {plan.call_id}) carries no context frames; the mesh "
-                             "rebuilds its cache only from the frames rank 0 sends")
-        self.pipe.lifecycle.expect(plan)
-        return plan
+        return check_envelope(envelope, self.pipe.lifecycle)
+
+
+def check_envelope(envelope, lifecycle: Lifecycle) -> StepPlan:
+    """The mesh's check before anything runs: the version, then the plan against ``lifecycle``."""
+    version = getattr(envelope, "version", None)
+    if not isinstance(envelope, Envelope) or version != STAGE_VERSION:
+        raise StageError(f"envelope version {version!r} ({type(envelope).__name__}); this build speaks "
+                         f"{STAGE_VERSION}")
+    plan = envelope.plan
+    if plan.reset and plan.history is None:
+        raise StageError(f"the {plan.event} envelope (call {plan.call_id}) carries no context frames; the mesh "
+                         "rebuilds its cache only from the frames rank 0 sends")
+    lifecycle.expect(plan)
+    return plan
+
+
+def offsets_of(pipe) -> list[int]:
+    """What a pipeline's cache holds, tokens a layer (the state digest each result carries)."""
+    return [pipe.cache.get_offset(i) for i in range(pipe.cfg.n_layers)] if hasattr(pipe.cache, "get_offset") else []
