@@ -1,12 +1,14 @@
 """What players of ``python -m inference.serve`` feel, batched against the same sessions stepped
 one by one, in one run on the shipped world.
 
-    python -m scripts.bench_serve [--players 1 2 4 8] [--seconds 10] [--rounds 2] [--compile auto|0] [--decode-thread] [--json out.json]
+    python -m scripts.bench_serve [--players 1 2 4 8] [--seconds 10] [--rounds 2] [--compile auto|0] [--decode-thread]
+                                  [--two-stages] [--json out.json]
 
 The batched server runs first, then one started with ``--one-by-one`` (each session its own
 model calls, one after another), and with ``--decode-thread`` a batched one with
 ``OWL_DECODE=async`` (each step's frames decoded and encoded on a thread beside the model's), the
-same players against each. In a round N websocket players
+same players against each; with ``--two-stages`` a batched one under torchrun with ``--pp 2``
+(rank 0 serves and decodes while rank 1 makes the next step, a thread each). In a round N websocket players
 on loopback play for --seconds (after a warm-up): each sends controls 20 times a second (a new
 seq each) and reads every frame.
 Reported per players and server: aggregate frames a second, each player's frames a second and
@@ -22,6 +24,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,11 +39,17 @@ from scripts.common import machine
 SEND_HZ = 20.0
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict, log: str):
-        """A server whose output goes to the file ``log`` (and ``lines``)."""
-        self.proc = subprocess.Popen([sys.executable, "-m", "inference.serve", "--port", "0", *args], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, args: list[str], env: dict, log: str, launch: list[str] | None = None):
+        """A server whose output goes to the file ``log`` (and ``lines``); ``launch``: what starts
+        it instead of this python (torchrun)."""
+        self.launched = bool(launch)
+        self.proc = subprocess.Popen([*(launch or [sys.executable]), "-m", "inference.serve", "--port", "0", *args],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=self.launched)
         self.lines: list[str] = []
         self.log = log
         threading.Thread(target=self._drain, daemon=True).start()
@@ -74,7 +83,9 @@ class ServerProcess:
             time.sleep(0.05)
 
     def stop(self):
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and self.launched:  # Ctrl-C to torchrun and its ranks: rank 0 stops rank 1
+            os.killpg(self.proc.pid, signal.SIGINT)
+        elif self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(20)
@@ -152,11 +163,17 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--decode-thread", action="store_true",
                    help="also a batched server with OWL_DECODE=async (frames decode beside the model thread)")
+    p.add_argument("--two-stages", action="store_true",
+                   help="also a batched server with --pp 2 under torchrun: rank 0 serves and decodes, rank 1 makes "
+                        "the frames, one thread each (the same cores); needs --compile 0 (rank 0 cannot see rank 1's "
+                        "compile)")
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None, help="folder for the servers' output (default: a temporary one, printed)")
     args = p.parse_args(argv)
     if min(args.players) < 1 or args.seconds <= 0 or args.rounds < 1:
         p.error("--players, --seconds and --rounds must be positive")
+    if args.two_stages and args.compile != "0":
+        p.error("--two-stages needs --compile 0: rank 0's /healthz cannot say when rank 1's frame call has compiled")
     env = {**os.environ, "OWL_COMPILE": args.compile}
     common = ["--max-sessions", str(max(args.players)), "--idle-timeout", "3600"]
     common += ["--checkpoint", args.checkpoint] if args.checkpoint else []
@@ -164,10 +181,13 @@ def main(argv=None) -> int:
     os.makedirs(logs, exist_ok=True)
     servers = [("batched", [], {}), ("one_by_one", ["--one-by-one"], {})]
     servers += [("batched_decode_thread", [], {"OWL_DECODE": "async"})] if args.decode_thread else []
+    # torchrun gives each rank OMP_NUM_THREADS=1: one core to serve and decode, one to generate
+    servers += [("two_stages", ["--pp", "2"], {"OWL_THREADS": "1"})] if args.two_stages else []
     runs = {(n, mode): [] for n in args.players for mode, _, _ in servers}
     # One server at a time: two servers' thread pools on the same cores measured stalls of seconds.
     for mode, flags, flag_env in servers:
-        server = ServerProcess(common + flags, {**env, **flag_env}, os.path.join(logs, f"{mode}.log"))
+        server = ServerProcess(common + flags, {**env, **flag_env}, os.path.join(logs, f"{mode}.log"),
+                               TORCHRUN if mode == "two_stages" else None)
         try:
             server.wait_ready()
             if args.compile == "auto":  # the frame call compiles in the background: measure what follows

@@ -152,3 +152,76 @@ def drive(pipe, scenario: str):
     shown += [(n, pipe.decode(x).numpy()) for n, x in stages.drain()]
     pipe.close()
     return {"shown": shown, "dropped": stages.dropped, "cut_at": cut_at}
+
+
+def sessions_script(sessions, steps: int = 9):
+    """Three sessions over the rows of one ring: two from the start, the first leaves at step 4
+    and a new one takes its row, the second restarts at step 6. Returns each session's latents
+    by (seed, step) and the sessions still open."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    pipes = {seed: sessions.open(seed=seed) for seed in (1, 2)}
+    out = {}
+    for step in range(steps):
+        if step == 4:
+            sessions.close(pipes.pop(1))
+            pipes[3] = sessions.open(seed=3)
+        if step == 6:
+            pipes[2].restart_from_buffer()
+        controls = {p: (torch.randn(2, generator=g) * 3, (torch.rand(11, generator=g) > 0.7).float()) for p in pipes.values()}
+        latents = sessions.step(controls)
+        out.update({(seed, step): latents[p].clone() for seed, p in pipes.items()})
+    return out, pipes
+
+
+def sessions_alone(checkpoint) -> dict:
+    from owl_wms.engine.sessions import Sessions
+
+    sessions = Sessions.from_checkpoint(checkpoint, settings=settings(kv_recompute_every=3), capacity=2, verbose=False)
+    return sessions_script(sessions)[0]
+
+
+def sessions_rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue) -> None:
+    """Two stages of several sessions (``inference.serve --pp 2``): rank 0 runs ``sessions_script``."""
+    import torch
+    import torch.distributed as dist
+
+    from owl_wms.engine.sessions import Sessions
+    from owl_wms.parallel import ParallelContext, is_collective_error
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    ctx = ParallelContext(rank, 2, timeout_s=60, check_every=4)
+    try:
+        sessions = Sessions.from_checkpoint(checkpoint, settings=settings(kv_recompute_every=3), capacity=2,
+                                            verbose=False, pp=ctx)
+        if rank == 1:
+            if scenario == "sessions_extra_call":
+                run = sessions.run
+
+                def one_more(plans):
+                    latents, calls = run(plans)
+                    return latents, {p: c + (sessions.runner.calls > 12) for p, c in calls.items()}
+
+                sessions.run = one_more  # a step reports a model call more than its plans have
+            data = sessions.follow()
+        else:
+            made, _ = sessions_script(sessions)
+            sessions.shut_down()
+            data = {key: latent.numpy() for key, latent in made.items()}  # tensors would share memory across the queue
+        queue.put((rank, "ok", "", data))
+    except Exception as exc:  # noqa: BLE001 - reported as the apps report it
+        if is_collective_error(exc):
+            message = str(ctx.explain(exc))
+        else:
+            ctx.fail(exc)
+            message = f"{type(exc).__name__}: {exc}"
+        queue.put((rank, "error", message, traceback.format_exc()[-1500:]))
+    finally:
+        queue.close()
+        queue.join_thread()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os._exit(0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from .conftest import REPO, time_limit
-from .stage_ranks import alone, rank_main
+from .stage_ranks import alone, rank_main, sessions_alone, sessions_rank_main
 
 TINY = str(REPO / "checkpoints" / "untrained-tiny")
 
@@ -28,7 +28,8 @@ def run_ranks(scenario: str, limit_s: float = 30, world: int = 2) -> dict:
     ctx = multiprocessing.get_context("spawn")
     reports = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, TINY, scenario, reports, world)) for r in range(world)]
+    target, extra = (sessions_rank_main, ()) if scenario.startswith("sessions") else (rank_main, (world,))
+    procs = [ctx.Process(target=target, args=(r, port, TINY, scenario, reports, *extra)) for r in range(world)]
     start = time.monotonic()
     for p in procs:
         p.start()
@@ -91,6 +92,25 @@ def test_a_cache_reset_on_one_mesh_rank_trips_the_state_digest_before_the_next_s
         outcome, message = out[rank][:2]
         assert outcome == "error" and "state digest: rank 2's cache holds" in message \
             and "a cache reset or write on one rank only" in message, out
+
+
+def test_two_stages_of_several_sessions_make_the_latents_of_one_process_bit_for_bit():
+    """The server's shape: sessions join, leave, restart and recompute; rank 1 makes each step in
+    one batched call over the rows of its ring."""
+    want = sessions_alone(TINY)
+    out = run_ranks("sessions")
+    assert out[0][0] == "ok" and out[1][0] == "ok", out
+    got = out[0][2]
+    assert set(got) == set(want) and len(want) == 18
+    for key in want:
+        assert np.array_equal(got[key], want[key].numpy()), f"session {key[0]} step {key[1]} differs"
+    assert out[1][2] == len(want)  # frames the mesh made
+
+
+def test_a_sessions_call_count_mismatch_ends_both_ranks_with_the_cause():
+    out = run_ranks("sessions_extra_call")
+    assert out[1][0] == "error" and "rank 1 made 3 model calls" in out[0][1] + out[1][1], out
+    assert out[0][0] == "error" and "expected 2" in out[0][1], out
 
 
 def test_break_it_1_ranks_started_with_different_plans_fail_at_start_up():
