@@ -203,11 +203,12 @@ def launch_tp(args, settings: Settings) -> ParallelContext | None:
     if args.pp == 2:
         flag = "--pp 2" + (f" --tp {args.tp}" if args.tp > 1 else "")
         return ParallelContext.launch(processes(args), settings.device, settings.tp_timeout_s, settings.tp_check_every,
-                                      settings.tp_reduce, flag=flag)
+                                      settings.tp_reduce, flag=flag,
+                                      app="inference.game_cv" + (" --headless" if args.headless else ""))
     if args.tp == 1:
         return None
     return ParallelContext.launch(args.tp, settings.device, settings.tp_timeout_s, settings.tp_check_every,
-                                   settings.tp_reduce)
+                                   settings.tp_reduce, app="inference.game_cv --headless")
 
 
 def has_display() -> bool:

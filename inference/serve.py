@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         world, settings, _ = run_settings(args)
         if args.pp == 2:
             ctx = ParallelContext.launch(2, settings.device, settings.tp_timeout_s, settings.tp_check_every,
-                                         flag="--pp 2")
+                                         flag="--pp 2", app="inference.serve")
             if not ctx.is_leader:
                 return generate(args, world, settings, ctx)
         sock = listen(args.host, args.port)
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
 
         def ready(scheduler):
             if ctx is None:  # two stages: rank 1 compiles, rank 0 never calls the model
-                compile_in_background(scheduler.sessions.runner, settings, None, serve_rows(options))
+                compile_in_background(scheduler.sessions.runner, settings, None, serve_rows(limit, options.batched))
 
         running = []  # the web server, once it runs
 
@@ -196,9 +196,9 @@ def main(argv=None) -> int:
             ctx.shutdown()
 
 
-def serve_rows(options: ServeOptions) -> list[int]:
-    """The padded batch sizes a server's steps run at (a compiled graph each)."""
-    return sorted({batch_rows(n) for n in range(1, options.session_limit + 1)}) if options.batched else [1]
+def serve_rows(limit: int, batched: bool = True) -> list[int]:
+    """The padded batch sizes the steps of up to ``limit`` players run at (a compiled graph each)."""
+    return sorted({batch_rows(n) for n in range(1, limit + 1)}) if batched else [1]
 
 
 def generate(args, world, settings, ctx: ParallelContext) -> int:
@@ -206,7 +206,7 @@ def generate(args, world, settings, ctx: ParallelContext) -> int:
     limit = args.max_sessions or args.session_limit
     sessions = Sessions.from_checkpoint(world, args.ckpt, settings=settings, capacity=limit, weights=args.weights,
                                         pp=ctx, verbose=False)
-    compile_in_background(sessions.runner, settings, None, sorted({batch_rows(n) for n in range(1, limit + 1)}))
+    compile_in_background(sessions.runner, settings, None, serve_rows(limit))
     end_startup()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it stops the server, then this rank
     sessions.follow()

@@ -139,9 +139,10 @@ class ParallelContext:
 
     @classmethod
     def launch(cls, tp: int, device: str, timeout_s: float, check_every: int,
-               reduce: str = "exact", flag: str | None = None) -> "ParallelContext":
+               reduce: str = "exact", flag: str | None = None, app: str = "<app>") -> "ParallelContext":
         """Join the process group torchrun set up; its size must be ``tp`` (``flag``: how the
-        app's option asking for that many ranks is spelt, default ``--tp N``)."""
+        app's option asking for that many ranks is spelt, default ``--tp N``; ``app``: the module
+        and options the error's example command runs)."""
         flag = flag or f"--tp {tp}"
         if dist.is_initialized():
             raise TPError("torch.distributed is already initialised in this process")
@@ -150,7 +151,7 @@ class ParallelContext:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except ValueError as exc:  # env:// without torchrun's variables
             raise TPError(f"{flag} needs {tp} processes started by torchrun: run "
-                          f"'torchrun --nproc-per-node {tp} -m inference.game_cv --headless {flag} ...' "
+                          f"'torchrun --nproc-per-node {tp} -m {app} {flag} ...' "
                           f"({exc})") from None
         world = dist.get_world_size()
         if world != tp:

@@ -105,7 +105,7 @@ def test_a_snapshot_with_frames_in_flight_or_of_a_split_mesh_is_refused_with_the
 
     from owl_wms.engine.stages import FirstStage
 
-    first = SimpleNamespace(ctx=SimpleNamespace(world=2), pending=[object()], ready=[])  # what exchange_state reads
+    first = SimpleNamespace(ctx=SimpleNamespace(world=2), pending=[object()], ready=[], shared=False)  # what it reads
     try:
         FirstStage.exchange_state(first, None)
     except RuntimeError as exc:
@@ -119,3 +119,10 @@ def test_a_snapshot_with_frames_in_flight_or_of_a_split_mesh_is_refused_with_the
         assert "split the heads (--tp 2) are not supported" in str(exc)
     else:
         raise AssertionError("a snapshot of a split mesh was not refused")
+    first.shared = True
+    try:
+        FirstStage.exchange_state(first, None)
+    except RuntimeError as exc:
+        assert "shares the generating rank with others" in str(exc)
+    else:
+        raise AssertionError("a snapshot of a served session was not refused")

@@ -303,9 +303,11 @@ def test_the_servers_flags_are_checked_with_the_fix(tmp_path):
     r = run_main("inference.serve", ["--port", 0, "--checkpoint", tmp_path / "nothing"])
     assert r.returncode == 2 and "nothing" in r.stderr
     for argv, text in ((["--max-sessions", "0"], "--max-sessions 0"), (["--target-fps", "-1"], "--target-fps"),
-                       (["--port", "70000"], "--port 70000")):
+                       (["--port", "70000"], "--port 70000"), (["--pp", "3"], "--pp: invalid choice"),
+                       (["--pp", "2", "--one-by-one"], "with --pp 2 rank 1 makes every step in one batched call"),
+                       (["--pp", "2", "--port", "0"], "'torchrun --nproc-per-node 2 -m inference.serve --pp 2 ...'")):
         r = run_main("inference.serve", argv)
-        assert r.returncode == 2 and text in r.stderr, r.stderr
+        assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_the_pages_keys_are_the_windows_bindings_in_browser_key_codes():

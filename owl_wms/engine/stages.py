@@ -196,7 +196,7 @@ class FirstStage:
         """``depth``: frames in flight beside the one just sent (one keeps rank 1 busy: the next
         envelope is there before it finishes a frame); ``session``, ``link``: one of several
         sessions sharing a link to the mesh (session_stages.py)."""
-        self.pipe, self.ctx, self.depth, self.session = pipe, ctx, depth, session
+        self.pipe, self.ctx, self.depth, self.session, self.shared = pipe, ctx, depth, session, link is not None
         self.link = link or StageLink(ctx, MESH, slot_bytes(pipe.cfg), depth=2 * (depth + 1))
         self.pending: collections.deque = collections.deque()  # (plan, tag, lifecycle scalars after it)
         self.ready: list = []  # (tag, latent) that arrived while a step waited for its own result
@@ -302,6 +302,9 @@ class FirstStage:
         self.exchange_state(CacheState("load", tensors, meta, lifecycle))
 
     def exchange_state(self, message: CacheState) -> Result:
+        if self.shared:
+            raise RuntimeError("snapshots of a session that shares the generating rank with others (the server's "
+                               "two stages) are not supported")
         if self.ctx.world > 2:
             raise RuntimeError(f"snapshots of a two-stage run whose generating ranks split the heads (--tp "
                                f"{self.ctx.world - 1}) are not supported (each holds only its heads); drop --tp")
