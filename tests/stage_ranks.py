@@ -49,29 +49,21 @@ def alone(checkpoint, bias: bool = True) -> list:
     return out
 
 
-def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue, world: int = 2) -> None:
-    """``world`` 3: ranks 1 and 2 generate, the heads split between them (``--pp 2 --tp 2``)."""
+def run_rank(rank: int, world: int, port: int, queue, body) -> None:
+    """Join the gloo group as ``rank`` and report (rank, outcome, message, data) of ``body(ctx)``
+    on ``queue``, as the apps report it: a rank that fails tells its peers through the store; one
+    whose receive broke reports the cause its peer gave."""
     import torch
     import torch.distributed as dist
 
-    from owl_wms.engine import CausvidPipeline
     from owl_wms.parallel import ParallelContext, is_collective_error
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     ctx = ParallelContext(rank, world, timeout_s=60, check_every=4)  # a hang is the test's limit to catch
-    data = None
     try:
-        mesh = ctx.split(1) if world > 2 else None
-        mine = settings(kv_recompute_every=4) if scenario == "plan_mismatch" and rank == world - 1 else settings()
-        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=mine, pp=ctx, tp=mesh, verbose=False)
-        if rank > 0:
-            inject_mesh(pipe, scenario, rank)
-            data = pipe.stages.follow()
-        else:
-            data = drive(pipe, scenario)
-        queue.put((rank, "ok", "", data))
+        queue.put((rank, "ok", "", body(ctx)))
     except Exception as exc:  # noqa: BLE001 - reported as the apps report it
         if is_collective_error(exc):
             message = str(ctx.explain(exc))
@@ -85,6 +77,23 @@ def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue, world
         if dist.is_initialized():
             dist.destroy_process_group()
         os._exit(0)
+
+
+def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue, world: int = 2) -> None:
+    """``world`` 3: ranks 1 and 2 generate, the heads split between them (``--pp 2 --tp 2``)."""
+
+    def body(ctx):
+        from owl_wms.engine import CausvidPipeline
+
+        mesh = ctx.split(1) if world > 2 else None
+        mine = settings(kv_recompute_every=4) if scenario == "plan_mismatch" and rank == world - 1 else settings()
+        pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=mine, pp=ctx, tp=mesh, verbose=False)
+        if rank > 0:
+            inject_mesh(pipe, scenario, rank)
+            return pipe.stages.follow()
+        return drive(pipe, scenario)
+
+    run_rank(rank, world, port, queue, body)
 
 
 def inject_mesh(pipe, scenario: str, rank: int) -> None:
@@ -184,17 +193,10 @@ def sessions_alone(checkpoint) -> dict:
 
 def sessions_rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue) -> None:
     """Two stages of several sessions (``inference.serve --pp 2``): rank 0 runs ``sessions_script``."""
-    import torch
-    import torch.distributed as dist
 
-    from owl_wms.engine.sessions import Sessions
-    from owl_wms.parallel import ParallelContext, is_collective_error
+    def body(ctx):
+        from owl_wms.engine.sessions import Sessions
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    ctx = ParallelContext(rank, 2, timeout_s=60, check_every=4)
-    try:
         sessions = Sessions.from_checkpoint(checkpoint, settings=settings(kv_recompute_every=3), capacity=2,
                                             verbose=False, pp=ctx)
         if rank == 1:
@@ -206,22 +208,9 @@ def sessions_rank_main(rank: int, port: int, checkpoint: str, scenario: str, que
                     return latents, {p: c + (sessions.runner.calls > 12) for p, c in calls.items()}
 
                 sessions.run = one_more  # a step reports a model call more than its plans have
-            data = sessions.follow()
-        else:
-            made, _ = sessions_script(sessions)
-            sessions.shut_down()
-            data = {key: latent.numpy() for key, latent in made.items()}  # tensors would share memory across the queue
-        queue.put((rank, "ok", "", data))
-    except Exception as exc:  # noqa: BLE001 - reported as the apps report it
-        if is_collective_error(exc):
-            message = str(ctx.explain(exc))
-        else:
-            ctx.fail(exc)
-            message = f"{type(exc).__name__}: {exc}"
-        queue.put((rank, "error", message, traceback.format_exc()[-1500:]))
-    finally:
-        queue.close()
-        queue.join_thread()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os._exit(0)
+            return sessions.follow()
+        made, _ = sessions_script(sessions)
+        sessions.shut_down()
+        return {key: latent.numpy() for key, latent in made.items()}  # tensors would share memory across the queue
+
+    run_rank(rank, 2, port, queue, body)

@@ -100,29 +100,15 @@ def test_snapshots_of_a_two_stage_run_restore_the_single_process_frames(tmp_path
     assert not np.array_equal(one[3:8], one[10:15])  # the restored branch took other actions: other frames
 
 
-def test_a_snapshot_with_frames_in_flight_or_of_a_split_mesh_is_refused_with_the_reason():
+def test_a_snapshot_with_frames_in_flight_of_a_split_mesh_or_of_a_served_session_is_refused_with_the_reason():
     from types import SimpleNamespace
 
     from owl_wms.engine.stages import FirstStage
 
     first = SimpleNamespace(ctx=SimpleNamespace(world=2), pending=[object()], ready=[], shared=False)  # what it reads
-    try:
-        FirstStage.exchange_state(first, None)
-    except RuntimeError as exc:
-        assert "1 frames in flight; take them first" in str(exc)
-    else:
-        raise AssertionError("a snapshot with a frame in flight was not refused")
-    first.ctx.world = 3
-    try:
-        FirstStage.exchange_state(first, None)
-    except RuntimeError as exc:
-        assert "split the heads (--tp 2) are not supported" in str(exc)
-    else:
-        raise AssertionError("a snapshot of a split mesh was not refused")
-    first.shared = True
-    try:
-        FirstStage.exchange_state(first, None)
-    except RuntimeError as exc:
-        assert "shares the generating rank with others" in str(exc)
-    else:
-        raise AssertionError("a snapshot of a served session was not refused")
+    for change, reason in ((dict(), "1 frames in flight; take them first"),
+                           (dict(ctx=SimpleNamespace(world=3)), r"split the heads \(--tp 2\) are not supported"),
+                           (dict(shared=True), "shares the generating rank with others")):
+        vars(first).update(change)
+        with pytest.raises(RuntimeError, match=reason):
+            FirstStage.exchange_state(first, None)
