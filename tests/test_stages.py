@@ -182,3 +182,19 @@ def test_an_unknown_envelope_version_or_a_reset_without_frames_is_refused_before
     with pytest.raises(StageError, match="the cut envelope .* carries no context frames"):
         check_plan(plan, life)
     assert life.call_id == 0  # nothing ran
+
+
+def test_the_sessions_mesh_refuses_a_bad_row_or_version_before_anything_runs():
+    from types import SimpleNamespace
+
+    from owl_wms.engine.session_stages import SessionsMesh, StepEnvelope
+    from owl_wms.engine.stages import Envelope, StageError
+
+    mesh = SimpleNamespace(sessions=SimpleNamespace(capacity=2), pipes={})  # what the checks read
+    mesh.pipe_at = lambda row: SessionsMesh.pipe_at(mesh, row)
+    for row in (2, -1, None, "0"):
+        with pytest.raises(StageError, match=r"envelope for session row .*; this mesh has rows 0..1"):
+            SessionsMesh.session_step(mesh, Envelope(plan=None, session=row))
+    with pytest.raises(StageError, match="step envelope version 2; this build speaks 1"):
+        SessionsMesh.step(mesh, StepEnvelope({}, version=2))
+    assert mesh.pipes == {}  # no session was opened
