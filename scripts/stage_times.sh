@@ -7,7 +7,8 @@
 # PY names the interpreter. PIECE_SECONDS, when set, is this piece's time budget: a stage still running
 # when it is spent gets SIGINT (the training stages finish their step, save their state and stop; the
 # file stages keep every finished file), the piece's time is recorded and the script exits with 75.
-# Running it again resumes the chain exactly where it stopped, as the next piece.
+# Running it again resumes the chain exactly where it stopped, as the next piece. A stage stopped
+# by a signal without a budget (it exits 75 once saved) ends the piece the same way.
 
 start_stage_log() {
   STAGE_LOG=$1
@@ -49,10 +50,14 @@ stage() {
   fi
   if [ "$rc" -eq 0 ]; then
     echo -e "$name\t$(( $(date +%s) - t0 ))\t$PIECE" >> "$STAGE_LOG"
-  elif [ -n "${PIECE_SECONDS:-}" ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 75 ]; }; then
+  elif [ "$rc" -eq 75 ] || { [ -n "${PIECE_SECONDS:-}" ] && [ "$rc" -eq 124 ]; }; then
     echo -e "$name\t$(( $(date +%s) - t0 ))\t$PIECE\tstopped" >> "$STAGE_LOG"
     end_piece
-    echo "== the piece's budget of ${PIECE_SECONDS}s ran out in $name, which saved where it was; run the same command again to resume" >&2
+    if [ -n "${PIECE_SECONDS:-}" ]; then
+      echo "== the piece's budget of ${PIECE_SECONDS}s ran out in $name, which saved where it was; run the same command again to resume" >&2
+    else  # a signal (Ctrl-C, SIGTERM) stopped a stage that saves: the piece ends here too
+      echo "== $name was stopped and saved where it was; run the same command again to resume" >&2
+    fi
     exit 75
   else
     echo "== $name failed (exit $rc)" >&2

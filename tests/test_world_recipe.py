@@ -161,3 +161,23 @@ def test_a_chain_spends_its_budget_in_pieces_that_resume_where_they_stopped(tmp_
     assert rows[-1] == ["total", str(sum(int(r[1]) for r in stages))]
     assert run(60).returncode == 0  # a finished chain run again starts a new table
     assert sum(ln.startswith("# piece") for ln in (tmp_path / "times.tsv").read_text().splitlines()) == 2
+
+
+def test_a_stage_stopped_by_a_signal_ends_the_piece_and_the_next_run_goes_on(tmp_path):
+    """Without a budget: a training stage stopped by Ctrl-C saves and exits 75; its time and the
+    piece's go in the table, and the same command again is the next piece."""
+    flag = tmp_path / "stopped_once"
+    chain = tmp_path / "chain.sh"
+    chain.write_text(f"set -euo pipefail\nPY={sys.executable}\n. {REPO}/scripts/stage_times.sh\n"
+                     f"start_stage_log {tmp_path}/times.tsv\n"
+                     f"stage train $PY -c 'import pathlib, sys; f = pathlib.Path(sys.argv[1]); "
+                     f"sys.exit(0 if f.exists() else (f.touch(), 75)[1])' {flag}\n"
+                     "end_stage_log\n")
+    env = {k: v for k, v in os.environ.items() if k != "PIECE_SECONDS"}
+    first = subprocess.run(["bash", str(chain)], env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 75 and "train was stopped and saved where it was" in first.stderr, first.stderr
+    second = subprocess.run(["bash", str(chain)], env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0, second.stderr
+    rows = [ln.split("\t") for ln in (tmp_path / "times.tsv").read_text().splitlines()]
+    assert [r[0] for r in rows if r[0].startswith("# piece") and r[0].endswith("took")] == ["# piece 1 took", "# piece 2 took"]
+    assert [(r[0], r[2], r[3:]) for r in rows[3:] if r[0] == "train"] == [("train", "1", ["stopped"]), ("train", "2", [])]
