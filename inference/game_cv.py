@@ -26,7 +26,7 @@ from owl_wms.config import ConfigError, WorldConfig, load_world  # noqa: E402
 from owl_wms.engine import CausvidPipeline, LifecycleError  # noqa: E402
 from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError  # noqa: E402
 from owl_wms.maze.worlds import check_simulator, load_level  # noqa: E402
-from owl_wms.parallel import ParallelContext, TPError, is_collective_error  # noqa: E402
+from owl_wms.parallel import ParallelContext, TPError, check_heads, is_collective_error  # noqa: E402
 from owl_wms.settings import Settings, SettingsError  # noqa: E402
 
 from .actions import BUILTIN  # noqa: E402
@@ -160,6 +160,8 @@ def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelCon
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
     clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
     stages = args.pp == 2
+    if stages and args.tp > 1:
+        check_heads(world.model, args.tp)  # on every rank: rank 0 would not hear of a refusal inside the mesh
     mesh = tp.split(1) if stages and args.tp > 1 else None  # --pp 2 --tp N: the generating ranks' own group
     pipe = CausvidPipeline.from_checkpoint(world, args.ckpt, settings=settings, clip=clip, ground_truth=args.ground_truth,
                                            tp=mesh if stages else tp, pp=tp if stages else None, weights=args.weights)

@@ -151,8 +151,9 @@ def main(argv=None) -> int:
 
         running = []  # the web server, once it runs
 
-        def failed(error):  # two stages broke: the other rank is told, and this server stops
-            ctx.fail(error)
+        def failed(error):  # two stages broke: the other rank is told (unless it broke first), this server stops
+            if not is_collective_error(error):
+                ctx.fail(error)
             for web in running:
                 web.should_exit = True
 

@@ -65,6 +65,13 @@ def fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def check_heads(cfg: ModelConfig, ranks: int) -> None:
+    """The heads split evenly over ``ranks`` (checked alike on every rank, rank 0 of two stages too)."""
+    if cfg.n_heads % ranks:
+        raise TPError(f"--tp {ranks}: the model has {cfg.n_heads} attention heads, not divisible by "
+                      f"{ranks}; use a --tp that divides {cfg.n_heads}")
+
+
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard @ W_shard^T) + b: the input features are split across ranks."""
 
@@ -131,7 +138,7 @@ class ParallelContext:
         """The job's ranks from ``first`` on as a group of their own (the generating mesh beside
         rank 0); every rank must call this (making a group is collective); None where not a member."""
         ranks = list(range(first, self.world))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
         if self.rank not in ranks:
             return None
         return ParallelContext(self.rank - first, len(ranks), self.timeout_s, self.check_every, self.reduce_fp32,
@@ -167,9 +174,7 @@ class ParallelContext:
         return dataclasses.replace(cfg, n_heads=cfg.n_heads // self.world, d_model=cfg.d_model // self.world)
 
     def check_divisible(self, cfg: ModelConfig):
-        if cfg.n_heads % self.world:
-            raise TPError(f"--tp {self.world}: the model has {cfg.n_heads} attention heads, not divisible by "
-                          f"{self.world}; use a --tp that divides {cfg.n_heads}")
+        check_heads(cfg, self.world)
 
     @torch.no_grad()
     def shard(self, model: nn.Module) -> nn.Module:

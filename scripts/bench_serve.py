@@ -83,13 +83,16 @@ class ServerProcess:
             time.sleep(0.05)
 
     def stop(self):
-        if self.proc.poll() is None and self.launched:  # Ctrl-C to torchrun and its ranks: rank 0 stops rank 1
-            os.killpg(self.proc.pid, signal.SIGINT)
-        elif self.proc.poll() is None:
-            self.proc.terminate()
+        if self.proc.poll() is None:
+            if self.launched:  # Ctrl-C to torchrun and its ranks: rank 0 stops rank 1
+                os.killpg(self.proc.pid, signal.SIGINT)
+            else:
+                self.proc.terminate()
             try:
-                self.proc.wait(20)
+                self.proc.wait(40)
             except subprocess.TimeoutExpired:
+                if self.launched:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.kill()
 
 

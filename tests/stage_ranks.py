@@ -49,7 +49,7 @@ def alone(checkpoint, bias: bool = True) -> list:
     return out
 
 
-def run_rank(rank: int, world: int, port: int, queue, body) -> None:
+def run_rank(rank: int, world: int, port: int, queue, body, timeout_s: float = 60) -> None:
     """Join the gloo group as ``rank`` and report (rank, outcome, message, data) of ``body(ctx)``
     on ``queue``, as the apps report it: a rank that fails tells its peers through the store; one
     whose receive broke reports the cause its peer gave."""
@@ -61,7 +61,7 @@ def run_rank(rank: int, world: int, port: int, queue, body) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    ctx = ParallelContext(rank, world, timeout_s=60, check_every=4)  # a hang is the test's limit to catch
+    ctx = ParallelContext(rank, world, timeout_s=timeout_s, check_every=4)  # a hang is the test's limit to catch
     try:
         queue.put((rank, "ok", "", body(ctx)))
     except Exception as exc:  # noqa: BLE001 - reported as the apps report it
@@ -93,7 +93,7 @@ def rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue, world
             return pipe.stages.follow()
         return drive(pipe, scenario)
 
-    run_rank(rank, world, port, queue, body)
+    run_rank(rank, world, port, queue, body, timeout_s=2 if scenario == "idle" else 60)
 
 
 def inject_mesh(pipe, scenario: str, rank: int) -> None:
@@ -150,6 +150,9 @@ def drive(pipe, scenario: str):
         pipe.plan_frame = no_context
     stages, shown, cut_at = pipe.stages, [], None
     for f, controls in enumerate(script()):
+        if scenario == "idle" and f == 5:
+            shown += [(n, pipe.decode(x).numpy()) for n, x in stages.drain()]
+            time.sleep(3)  # a paused game: longer than tp_timeout_s (2 s here) without a step
         if scenario == "late_result" and f == 7:
             cut_at = len(shown)
             pipe.restart_from_buffer()  # a live cut: the frames in flight are not taken first
@@ -175,6 +178,7 @@ def sessions_script(sessions, steps: int = 9):
     for step in range(steps):
         if step == 4:
             sessions.close(pipes.pop(1))
+            sessions.close(sessions.open(seed=9, clip=None))  # a page that left before its history (row 0)
             pipes[3] = sessions.open(seed=3)
         if step == 6:
             pipes[2].restart_from_buffer()

@@ -2,7 +2,9 @@
 message gets an error or a close with its reason while another player's frames stay its own,
 admission past capacity, idle sessions, events, recordings and the server's flags."""
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -281,8 +283,7 @@ def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):
             p.close()
         server.stop()  # Ctrl-C: torchrun reports the signal it got; the ranks stop cleanly
     assert "rank 1 makes each step's frames in one batched call" in server.output
-    ours = [line for line in server.output.splitlines() if f'File "{REPO}/' in line and "/.venv/" not in line]
-    assert not ours and "error:" not in server.output, server.output  # no traceback or error from either rank
+    assert not our_traceback(server.output) and "error:" not in server.output, server.output  # from neither rank
     for i, p in enumerate(players):
         actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
         made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
@@ -290,6 +291,48 @@ def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):
         want = alone(tmp_path, 40 + i, str(actions), made, f"p{i}")
         worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
         assert worst <= FRAME_TOLERANCE, (i, worst)
+
+
+def our_traceback(output: str) -> list[str]:
+    """The lines of ``output`` that are frames of a traceback in this project's code (torchrun's own
+    report of a signal or a failed rank is its business)."""
+    return [line for line in output.splitlines() if f'File "{REPO}/' in line and "/.venv/" not in line]
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The process torchrun (``launcher``) started as ``rank``."""
+    import pathlib
+
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher \
+                    and f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                return int(proc.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError(f"no rank {rank} under process {launcher}")
+
+
+def test_a_two_stage_server_whose_generating_rank_dies_closes_every_page_and_stops():
+    with Server("--pp", 2, "--max-sessions", 2, env=FP32,
+                launch=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")) as server:
+        player = Player(server.ws_url, seed=1)
+        player.controls()
+        player.next_frame()
+        os.kill(rank_pid(server.proc.pid, 1), signal.SIGKILL)
+        closed = None
+        try:
+            while closed is None:
+                player.controls()
+                m = player.receive(timeout=30)
+                if isinstance(m, dict) and m.get("type") == "error":
+                    closed = m
+        except ConnectionClosed:
+            closed = "closed"
+        assert closed == "closed" or closed["code"] == "server_failed", closed
+        server.proc.wait(60)  # torchrun ends the job: no rank is left waiting
+    assert "local_rank: 1" in server.output, server.output  # torchrun names the rank that died
+    assert not our_traceback(server.output), server.output  # rank 0 stopped without a traceback
 
 
 def test_the_servers_flags_are_checked_with_the_fix(tmp_path):

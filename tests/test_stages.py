@@ -113,6 +113,16 @@ def test_a_sessions_call_count_mismatch_ends_both_ranks_with_the_cause():
     assert out[0][0] == "error" and "expected 2" in out[0][1], out
 
 
+def test_the_mesh_waits_for_rank_0s_next_step_as_long_as_rank_0_likes(expected):
+    """A paused game or an idle server sends nothing for longer than tp_timeout_s; only a
+    result rank 0 waits for has that deadline."""
+    out = run_ranks("idle")
+    assert out[0][0] == "ok" and out[1][0] == "ok", out
+    shown = out[0][2]["shown"]
+    assert [n for n, _ in shown] == list(range(len(expected)))
+    assert all(np.array_equal(frame, expected[n]) for n, frame in shown)
+
+
 def test_break_it_1_ranks_started_with_different_plans_fail_at_start_up():
     out = run_ranks("plan_mismatch")
     for rank in (0, 1):

@@ -91,7 +91,11 @@ class Connection:
         finally:
             # the session is gone before the page hears the close, so /healthz never counts a closed player
             if self.player is not None and self.scheduler.is_alive():
-                await asyncio.wrap_future(self.scheduler.remove_player(self.player))
+                try:
+                    await asyncio.wrap_future(self.scheduler.remove_player(self.player))
+                except RuntimeError:  # the scheduler stopped meanwhile: it removed every player itself
+                    if self.scheduler.is_alive():
+                        raise
             self.closing = self.closing or closing
             if self.closing is not None:
                 self.wake.set()

@@ -43,6 +43,11 @@ RECORDING_KEEP_S = 3600
 SLOW_STEP_S = 1.0
 
 
+def stages_broke(exc: BaseException | None) -> bool:
+    """Two stages disagree or the other rank failed: no frame can be made any more."""
+    return isinstance(exc, TPError) or is_collective_error(exc)
+
+
 class ServerFull(Exception):
     def __init__(self, players: int, capacity: int):
         super().__init__(f"server full, {players} playing (capacity {capacity}); try again later")
@@ -199,19 +204,14 @@ class Scheduler(threading.Thread):
         self.ready.set()
         try:
             self._loop()
-        except TPError as exc:  # the stages disagree or the generating rank failed: nothing more can be made
-            self.error = exc
-        except RuntimeError as exc:
-            if not is_collective_error(exc):
+        except BaseException as exc:  # /healthz says so (503); broken stages end the server (on_fail)
+            if not stages_broke(exc):
                 traceback.print_exc(file=sys.stderr)
-            self.error = exc
-        except BaseException as exc:  # /healthz says so (503)
-            traceback.print_exc(file=sys.stderr)
             self.error = exc
         finally:
             if self.stage is not None:
                 self.stage.close()
-            broken = isinstance(self.error, TPError) or is_collective_error(self.error)
+            broken = stages_broke(self.error)
             for player in list(self.players):
                 if broken:
                     player.send({"type": "error", "code": "server_failed", "message": str(self.error), "close": True})
@@ -262,6 +262,8 @@ class Scheduler(threading.Thread):
                     future.set_result(fn(*args))
                 except BaseException as exc:  # handed to whoever waits on it
                     future.set_exception(exc)
+                    if refuse is None and stages_broke(exc):  # and the server cannot go on
+                        raise
 
     def _open_pipe(self, seed: int):
         s = self.sessions
@@ -391,6 +393,8 @@ class Scheduler(threading.Thread):
             try:
                 self._apply_event(player, event)
             except Exception as exc:  # this player's event failed: only this player hears of it
+                if stages_broke(exc):
+                    raise
                 if not isinstance(exc, (PlayerError, ValueError, OSError, RuntimeError)):
                     traceback.print_exc(file=sys.stderr)
                 player.send({"type": "error", "code": "event_failed", "message": f"{event.name}: {exc}"})
@@ -451,7 +455,7 @@ class Scheduler(threading.Thread):
                 self.stage.submit(([latents[p.pipe] for p in stepping], [p.format for p in stepping]),
                                   tag=(stepping, taken, {p: p.pipe.cache_epoch for p in stepping}))
         except Exception as exc:  # the step as a whole failed: its players end, the server goes on
-            if isinstance(exc, TPError) or is_collective_error(exc):  # two stages broke: the server cannot go on
+            if stages_broke(exc):
                 raise
             traceback.print_exc(file=sys.stderr)
             for player in stepping:

@@ -105,7 +105,7 @@ class SessionsMesh:
         """Run rank 0's steps until it shuts down; returns the frames made."""
         made = 0
         while True:
-            message = self.link.receive(ENVELOPE_TAG)
+            message = self.link.receive(ENVELOPE_TAG, patient=True)
             if isinstance(message, Shutdown):
                 self.link.flush()
                 return made
@@ -161,5 +161,7 @@ class SessionsMesh:
             plans[pipe] = plan
         latents, calls = self.sessions.run(plans)
         rows = {pipe: row for row, pipe in self.pipes.items()}
-        results = {rows[p]: Result(plan.call_id, plan.epoch, calls[p], latents[p], offsets_of(p)) for p, plan in plans.items()}
+        # clone: a row of the batch's output would pickle the whole batch with it
+        results = {rows[p]: Result(plan.call_id, plan.epoch, calls[p], latents[p].clone(), offsets_of(p))
+                   for p, plan in plans.items()}
         return StepResult(results), [(rows[p], plan) for p, plan in plans.items()]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ERROR_KEY, ParallelContext, TPError
-from .lifecycle import Lifecycle, LifecycleError, StepPlan
+from .lifecycle import Lifecycle, LifecycleError, Phase, StepPlan
 
 STAGE_VERSION = 1
 ENVELOPE_TAG, RESULT_TAG = 11, 12
@@ -141,9 +141,11 @@ class StageLink:
                 self.sending.popleft()[0].wait()
             self.sending.append((dist.isend(buffer, self.peer, tag=tag), buffer))
 
-    def receive(self, tag: int):
+    def receive(self, tag: int, patient: bool = False):
+        """The next message; ``patient``: no deadline for its first part (the mesh waiting for
+        rank 0's next step: a paused game or an idle server sends nothing for as long as it likes)."""
         first = torch.empty(self.slot, dtype=torch.uint8)
-        self.wait(dist.irecv(first, self.peer, tag=tag))
+        self.wait(dist.irecv(first, self.peer, tag=tag), patient)
         n = int(first[:self.HEADER].view(torch.int64))
         if n <= self.slot - self.HEADER:
             return pickle.loads(first[self.HEADER:self.HEADER + n].numpy().tobytes())
@@ -151,10 +153,11 @@ class StageLink:
         self.wait(dist.irecv(data, self.peer, tag=tag))
         return pickle.loads(data.numpy().tobytes())
 
-    def wait(self, work) -> None:
+    def wait(self, work, patient: bool = False) -> None:
         """Wait for a receive (on a helper thread: gloo's receive has no poll), looking at the
         rendezvous store every 50 ms: a peer that failed says why there
-        (``ParallelContext.fail``), and this rank stops with its words, never a hang."""
+        (``ParallelContext.fail``), and this rank stops with its words, never a hang (a peer that
+        died outright closes its connection, which ends the receive)."""
         errors: list = []
 
         def wait():
@@ -172,7 +175,7 @@ class StageLink:
                 break
             if self.ctx.store.check([ERROR_KEY]):
                 raise StageError(f"rank {self.ctx.rank} stopped because {self.ctx.store.get(ERROR_KEY).decode()}")
-            if time.monotonic() > deadline:
+            if not patient and time.monotonic() > deadline:
                 raise StageError(f"rank {self.ctx.rank}: nothing came from rank {self.peer} in tp_timeout_s="
                                  f"{self.ctx.timeout_s:g} s (it stopped or is stuck)")
         if errors:
@@ -321,7 +324,10 @@ class FirstStage:
         return result
 
     def stop(self) -> None:
-        """The mesh stops, after the frames in flight (dropped: the caller took what it wanted)."""
+        """The mesh stops, after the frames in flight (dropped: the caller took what it wanted);
+        a session sharing the link that never had a history sent nothing, so it sends no stop."""
+        if self.shared and self.pipe.lifecycle.phase is Phase.EMPTY and not self.pending:
+            return
         self.drain()
         self.run(self.pipe.lifecycle.stop())
         self.link.flush()
@@ -354,7 +360,7 @@ class Mesh:
         if pipe.tp is not None and not pipe.tp.is_leader:
             return self.follow_leader()
         while True:
-            envelope = self.link.receive(ENVELOPE_TAG)
+            envelope = self.link.receive(ENVELOPE_TAG, patient=True)
             if isinstance(envelope, CacheState):
                 self.link.send(self.serve_state(envelope), RESULT_TAG)
                 continue
@@ -392,10 +398,16 @@ class Mesh:
                 raise ValueError("the generating ranks split the heads: snapshots are not supported")
             if message.op == "save":
                 return Result(life.call_id, life.epoch, state=pipe.cache.state_dict())
-            pipe.cache.load_state_dict(message.tensors, message.meta)
-            life.load_state(message.lifecycle)
+            before = pipe.cache.state_dict(), life.state()
+            try:
+                pipe.cache.load_state_dict(message.tensors, message.meta)
+                life.load_state(message.lifecycle)
+            except Exception:
+                pipe.cache.load_state_dict(*before[0])
+                life.load_state(before[1])
+                raise
             return Result(life.call_id, life.epoch)
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as exc:
             return Result(life.call_id, life.epoch, error=f"rank {self.ctx.rank}: cache {message.op}: {exc}")
 
     def execute(self, plan: StepPlan):
