@@ -112,7 +112,7 @@ CASES = {
     "sheet-is-folder": (lambda t: (t / "s.png").mkdir() or ["--sheet", str(t / "s.png")], {}, r"--sheet '.*s\.png' is a folder"),
     "tp-without-torchrun": (["--tp", "2"], {}, r"--tp 2 needs 2 processes started by torchrun"),
     "pp-without-torchrun": (["--pp", "2"], {}, r"--pp 2 needs 2 processes started by torchrun"),
-    "pp-with-tp": (["--pp", "2", "--tp", "2"], {}, r"--pp 2 runs one generator rank beside rank 0; .* drop --tp"),
+    "pp-with-tp": (["--pp", "2", "--tp", "2"], {}, r"--pp 2 --tp 2 needs 3 processes started by torchrun"),
     "pp-three": (["--pp", "3"], {}, r"argument --pp: invalid choice: 3"),
     # action scripts and files
     "actions-missing": (["--actions", "nowhere.jsonl"], {}, r"--actions 'nowhere\.jsonl' is neither a built-in script"),
