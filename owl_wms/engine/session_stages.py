@@ -20,8 +20,22 @@ from dataclasses import dataclass
 
 from ..parallel import ParallelContext
 from .lifecycle import LifecycleError, StepPlan
-from .stages import (ENVELOPE_TAG, MESH, RESULT_TAG, STAGE_VERSION, Envelope, FirstStage, Result, StageError,
-                     StageLink, check_envelope, check_plan, compare_scalars, offsets_of, slot_bytes)
+from .stages import (
+    ENVELOPE_TAG,
+    MESH,
+    RESULT_TAG,
+    STAGE_VERSION,
+    Envelope,
+    FirstStage,
+    Result,
+    StageError,
+    StageLink,
+    check_envelope,
+    check_plan,
+    compare_scalars,
+    offsets_of,
+    slot_bytes,
+)
 
 
 @dataclass
@@ -113,11 +127,7 @@ class SessionsMesh:
                 answer, done = self.step(message) if isinstance(message, StepEnvelope) else self.session_step(message)
             except (LifecycleError, StageError, ValueError) as exc:
                 text = f"rank {self.ctx.rank}: {exc}"
-                try:
-                    self.link.send(Result(-1, -1, error=text), RESULT_TAG)
-                    self.link.flush()
-                except Exception:  # noqa: BLE001 - rank 0 stopped first
-                    pass
+                self.link.send_failure(-1, text)
                 raise StageError(text) from None
             self.link.send(answer, RESULT_TAG)
             for row, plan in done:  # as rank 0 accepts them, in row order
@@ -152,15 +162,14 @@ class SessionsMesh:
         """A step of several sessions, each plan checked against its row first; one batched call."""
         if message.version != STAGE_VERSION or not isinstance(message.plans, dict):
             raise StageError(f"step envelope version {message.version!r}; this build speaks {STAGE_VERSION}")
-        plans = {}
+        plans, rows = {}, {}
         for row in sorted(message.plans):
             pipe = self.pipe_at(row)
             plan = check_envelope(Envelope(message.plans[row], row), pipe.lifecycle)
             if not plan.generates:
                 raise StageError(f"a step's {plan.event} plan for row {row} makes no frame")
-            plans[pipe] = plan
+            plans[pipe], rows[pipe] = plan, row
         latents, calls = self.sessions.run(plans)
-        rows = {pipe: row for row, pipe in self.pipes.items()}
         # clone: a row of the batch's output would pickle the whole batch with it
         results = {rows[p]: Result(plan.call_id, plan.epoch, calls[p], latents[p].clone(), offsets_of(p))
                    for p, plan in plans.items()}

@@ -185,6 +185,14 @@ class StageLink:
         while self.sending:
             self.sending.popleft()[0].wait()
 
+    def send_failure(self, call_id: int, text: str) -> None:
+        """The mesh tells rank 0 why it stops (if rank 0 is still there: it may have found the fault too)."""
+        try:
+            self.send(Result(call_id, -1, error=text), RESULT_TAG)
+            self.flush()
+        except Exception:  # noqa: BLE001 - rank 0 stopped first
+            pass
+
 
 _OWN = object()  # the tag of a step the pipeline waits for (a cut, an observed frame, the stop)
 
@@ -372,12 +380,7 @@ class Mesh:
             except (LifecycleError, TPError) as exc:
                 # a vote of the mesh names its ranks already
                 text = str(exc) if type(exc) is TPError else f"rank {self.ctx.rank}: {exc}"
-                call = getattr(getattr(envelope, "plan", None), "call_id", -1)
-                try:
-                    self.link.send(Result(call, -1, error=text), RESULT_TAG)
-                    self.link.flush()
-                except Exception:  # noqa: BLE001 - rank 0 found the fault too and stopped first
-                    pass
+                self.link.send_failure(getattr(getattr(envelope, "plan", None), "call_id", -1), text)
                 raise StageError(text) from None
             made += plan.generates
             self.link.send(Result(plan.call_id, plan.epoch, calls, latent, offsets_of(pipe)), RESULT_TAG)

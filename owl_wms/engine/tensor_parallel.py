@@ -11,8 +11,15 @@ next step. Every
 """
 from __future__ import annotations
 
-from ..parallel import ParallelContext, TPError, digest, fingerprint, is_collective_error
+from ..parallel import (
+    ParallelContext,
+    TPError,
+    digest,
+    fingerprint,
+    is_collective_error,
+)
 from .lifecycle import Lifecycle, LifecycleError, Phase
+from .stages import offsets_of
 
 
 class TensorParallelSteps:
@@ -37,8 +44,7 @@ class TensorParallelSteps:
         execute. Returns (plan, latent or None)."""
         pipe, tp = self.pipe, self.tp
         try:
-            offsets = [pipe.cache.get_offset(i) for i in range(pipe.cfg.n_layers)] if pipe.cache is not None else []
-            plan = tp.exchange(plan, pipe.lifecycle, self.step_error, offsets)
+            plan = tp.exchange(plan, pipe.lifecycle, self.step_error, offsets_of(pipe))
             self.step_error = None
             try:
                 x = pipe.execute(plan)
