@@ -295,8 +295,9 @@ def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):
 
 def our_traceback(output: str) -> list[str]:
     """The lines of ``output`` that are frames of a traceback in this project's code (torchrun's own
-    report of a signal or a failed rank is its business)."""
-    return [line for line in output.splitlines() if f'File "{REPO}/' in line and "/.venv/" not in line]
+    report of a signal or a failed rank is its business; a virtual environment inside the checkout
+    holds installed packages, not this project's code)."""
+    return [line for line in output.splitlines() if f'File "{REPO}/' in line and "/site-packages/" not in line]
 
 
 def rank_pid(launcher: int, rank: int) -> int:
