@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -138,6 +139,32 @@ def test_shipped_checkpoints_load_and_match_their_config(name, trained):
     assert (DEFAULT_CHECKPOINT.name == name) == trained  # the trained world is the default
     size_mb = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**20
     assert size_mb <= 60
+
+
+def test_the_decoder_runs_in_the_pipelines_dtype_within_a_level_of_float32():
+    """A bf16 pipeline decodes in bf16 (its convolutions are the work that grows with a batch's
+    rows); on frames of a simulator level the shipped decoder's uint8 frames stay within a level
+    of float32's on average and a few levels at most."""
+    from owl_wms.controls import to_uint8
+    from owl_wms.engine import CausvidPipeline
+    from owl_wms.maze.simulator import MazeSim
+
+    from .conftest import fp32_settings
+
+    pipes = {dtype: CausvidPipeline.from_checkpoint(REPO / "checkpoints" / "maze-world", verbose=False,
+                                                    settings=fp32_settings().replace(dtype=dtype))
+             for dtype in (torch.float32, torch.bfloat16)}
+    sim = MazeSim(seed=1000123)
+    walk = [1] + [0] * 10
+    frames = np.stack([sim.step((3.0 if i % 4 == 0 else 0.0, 0.0), walk) for i in range(24)])
+    latents = pipes[torch.float32].decoder.encode_uint8(frames)
+    decoded = {}
+    for dtype, pipe in pipes.items():
+        assert next(pipe.decoder.parameters()).dtype == dtype
+        decoded[dtype] = to_uint8(pipe.decoder.decode(latents)).int()
+    diff = (decoded[torch.float32] - decoded[torch.bfloat16]).abs().float()
+    assert diff.mean() < 0.5 and diff.max() <= 8, (diff.mean(), diff.max())
+    assert decoded[torch.float32].float().std() > 20  # real frames with walls and floor, not a blank
 
 
 ORIGINAL_YAML = """
