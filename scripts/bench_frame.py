@@ -22,7 +22,8 @@ frame so drift in the machine's speed touches every ratio alike. Reported per pa
   SDPA, so the table is skipped there);
 - batched sessions (owl_wms/engine/sessions.py): B sessions, each a frame a step, one model call
   per denoising step, compiled whole, in the first dtype: ms per step, per session-frame, and
-  the aggregate session-frames a second, as a ratio to B = 1's.
+  the aggregate session-frames a second, as a ratio to B = 1's, and the shares of a step's
+  denoising spent in attention and in the matmuls (torch.profiler).
 
 ``--original PATH``: a checkout of Wayfarer-Labs/owl-wms, branch laptop_inference_v2_bf16 (needs
 rotary-embedding-torch). Its GameRFTCore, StaticCache and two-step loop run on the same weights,
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import json
 import statistics
@@ -229,6 +231,28 @@ def overhead_share(path, frames: int, device) -> float:
     return max(0.0, 1 - busy / wall)
 
 
+def op_shares(step, steps: int, device: str) -> dict[str, float | None]:
+    """Shares of the wall time of ``steps`` calls of ``step`` spent in attention (SDPA) and in
+    the matmuls (addmm, mm, bmm): the self times of those ATen ops (called eagerly or from a
+    compiled graph's wrapper; Inductor's own kernels fused around them are not counted), from
+    torch.profiler. On a GPU the host's times say nothing of the kernels': None there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device != "cpu":
+        return {"attention_share": None, "matmul_share": None}
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    wall = time.perf_counter() - t0
+    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "aoti_torch_"))]
+
+    def share(*names):
+        return sum(e.self_cpu_time_total for e in ops if any(n in e.key for n in names)) / 1e6 / wall
+
+    return {"attention_share": share("scaled_dot_product"), "matmul_share": share("addmm", "mm_out", "aten::mm", "bmm")}
+
+
 def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     from owl_wms.controls import no_controls
 
@@ -345,17 +369,20 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
         ms = denoise_ms + decode_ms if decoder is not None else denoise_ms
         rows.append({"model": label, "sessions": n, "dtype": args.dtype[0], "denoise_ms": denoise_ms,
                      "step_ms": ms, "session_frame_ms": ms / n, "aggregate_fps": 1000 * n / ms,
-                     "denoise_fps": 1000 * n / denoise_ms, "decoded": decoder is not None})
+                     "denoise_fps": 1000 * n / denoise_ms, "decoded": decoder is not None,
+                     **op_shares(functools.partial(batch.step, controls), args.profile_frames, args.device)})
     for r in rows:
         r["x_one_session"] = r["aggregate_fps"] / rows[0]["aggregate_fps"]
         r["x_one_session_denoise"] = r["denoise_fps"] / rows[0]["denoise_fps"]
     what = "a step: denoise + decode" if decoder is not None else "a step: denoise only"
     print(f"batched sessions, compiled whole, int8 in-place, {args.dtype[0]} ({what}):")
     print(f"{'sessions':>9} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} {'session-frames/s':>17} "
-          f"{'x one session':>14} {'x (denoise)':>12}")
+          f"{'x one session':>14} {'x (denoise)':>12} {'attention':>10} {'matmuls':>8}")
     for r in rows:
         print(f"{r['sessions']:>9} {r['denoise_ms']:>11.2f} {r['step_ms']:>9.2f} {r['session_frame_ms']:>17.2f} "
-              f"{r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} {r['x_one_session_denoise']:>12.2f}")
+              f"{r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} {r['x_one_session_denoise']:>12.2f} "
+              + (f"{r['attention_share']:>10.0%} {r['matmul_share']:>8.0%}" if r["attention_share"] is not None else ""))
+    print("(attention, matmuls: their shares of a step's denoising under torch.profiler)")
     return rows
 
 

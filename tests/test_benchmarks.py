@@ -93,6 +93,7 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
     for r in sessions:
         assert r["step_ms"] > 0 and r["session_frame_ms"] == pytest.approx(r["step_ms"] / r["sessions"])
         assert r["aggregate_fps"] == pytest.approx(1000 * r["sessions"] / r["step_ms"]) and r["decoded"]
+        assert 0 < r["attention_share"] and 0 < r["matmul_share"] and r["attention_share"] + r["matmul_share"] < 1
 
 
 def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path):

@@ -33,6 +33,7 @@ from .stages import (
     check_envelope,
     check_plan,
     compare_scalars,
+    mesh_answer,
     offsets_of,
     slot_bytes,
 )
@@ -88,14 +89,10 @@ class SessionsFirstStage:
         for pipe, plan in plans.items():
             pipe.lifecycle.advance(plan)
             scalars[pipe] = pipe.lifecycle.scalars()
-        answer = self.link.receive(RESULT_TAG)
-        if getattr(answer, "error", None) is not None:  # the mesh refused the step
-            raise StageError(f"rank {MESH} stopped: {answer.error}")
-        if (not isinstance(answer, StepResult) or answer.version != STAGE_VERSION
-                or set(answer.results) != {rows[p] for p in plans}):
-            raise StageError(f"rank 0: the mesh answered a step of rows {sorted(rows[p] for p in plans)} with "
-                             f"{type(answer).__name__} version {getattr(answer, 'version', None)!r} rows "
-                             f"{sorted(getattr(answer, 'results', {}) or {})}; this build speaks {STAGE_VERSION}")
+        asked = sorted(rows[p] for p in plans)
+        answer = mesh_answer(self.link.receive(RESULT_TAG), StepResult, f"a step of rows {asked}")
+        if sorted(answer.results or {}) != asked:
+            raise StageError(f"rank 0: the mesh answered a step of rows {asked} with rows {sorted(answer.results or {})}")
         return {pipe: pipe.stages.accept(plan, answer.results[rows[pipe]], scalars[pipe]) for pipe, plan in plans.items()}
 
     def stop(self) -> None:

@@ -194,6 +194,17 @@ class StageLink:
             pass
 
 
+def mesh_answer(answer, kind: type, asked: str):
+    """The mesh's ``answer`` to what rank 0 ``asked``, checked to be a ``kind`` of this build's
+    version: a refusal (an answer carrying an error) or anything else ends the run, saying what came."""
+    if getattr(answer, "error", None) is not None:
+        raise StageError(f"rank {MESH} stopped: {answer.error}")
+    if not isinstance(answer, kind) or answer.version != STAGE_VERSION:
+        raise StageError(f"rank 0: the mesh answered {asked} with {type(answer).__name__} version "
+                         f"{getattr(answer, 'version', None)!r}; this build speaks {STAGE_VERSION}")
+    return answer
+
+
 _OWN = object()  # the tag of a step the pipeline waits for (a cut, an observed frame, the stop)
 
 
@@ -269,11 +280,7 @@ class FirstStage:
     def accept(self, plan: StepPlan, result, scalars: list):
         """``plan``'s result, checked: its latent, or None for a step without a frame or a frame
         of an older epoch (dropped). ``scalars``: the lifecycle's just after ``plan``."""
-        if not isinstance(result, Result) or result.version != STAGE_VERSION:
-            raise StageError(f"rank 0: the mesh answered with {type(result).__name__} version "
-                             f"{getattr(result, 'version', None)!r}; this build speaks {STAGE_VERSION}")
-        if result.error is not None:
-            raise StageError(f"rank {MESH} stopped: {result.error}")
+        result = mesh_answer(result, Result, f"call {plan.call_id}")
         if result.call_id != plan.call_id or result.epoch != plan.epoch:
             raise StageError(f"rank 0: the result of call {result.call_id} (epoch {result.epoch}) arrived; call "
                              f"{plan.call_id} (epoch {plan.epoch}) was next")
@@ -323,13 +330,7 @@ class FirstStage:
             raise RuntimeError(f"a snapshot with {len(self.pending) + len(self.ready)} frames in flight; take them "
                                "first (FirstStage.drain): a snapshot is taken between frames")
         self.link.send(message, ENVELOPE_TAG)
-        result = self.link.receive(RESULT_TAG)
-        if not isinstance(result, Result) or result.version != STAGE_VERSION:
-            raise StageError(f"rank 0: the mesh answered a cache {message.op} with {type(result).__name__} version "
-                             f"{getattr(result, 'version', None)!r}; this build speaks {STAGE_VERSION}")
-        if result.error is not None:
-            raise StageError(f"rank {MESH} stopped: {result.error}")
-        return result
+        return mesh_answer(self.link.receive(RESULT_TAG), Result, f"a cache {message.op}")
 
     def stop(self) -> None:
         """The mesh stops, after the frames in flight (dropped: the caller took what it wanted);
