@@ -112,3 +112,36 @@ def test_a_snapshot_with_frames_in_flight_of_a_split_mesh_or_of_a_served_session
         vars(first).update(change)
         with pytest.raises(RuntimeError, match=reason):
             FirstStage.exchange_state(first, None)
+
+
+def test_a_cache_load_the_mesh_refuses_part_way_leaves_its_cache_and_lifecycle_as_they_were():
+    """A snapshot whose last cache tensor does not fit is refused after the others were copied
+    in: the mesh puts back the cache and the lifecycle it had, not the half-loaded ones."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from owl_wms.engine import CausvidPipeline
+    from owl_wms.engine.stages import CacheState, Mesh
+    from owl_wms.settings import KVSettings
+
+    from .conftest import fp32_settings
+
+    settings = fp32_settings().replace(kv=KVSettings(ring_mode="inplace", fmt_k="int8", fmt_v="int8"))
+    pipe = CausvidPipeline.from_checkpoint(REPO / "checkpoints" / "untrained-tiny", settings=settings, verbose=False)
+    pipe.load_clip(0)
+    for _ in range(3):
+        pipe.generate([1.0, 0.0], [1] + [0] * 10)
+    tensors, meta = pipe.cache.state_dict()
+    kept = {name: t.clone() for name, t in tensors.items()}
+    life = pipe.lifecycle.state()
+    other = {name: (t + 1 if t.is_floating_point() else t ^ 1 if t.dtype == torch.bool else t + 1)
+             for name, t in kept.items()}
+    last = list(other)[-1]
+    other[last] = torch.zeros(7, dtype=kept[last].dtype)  # does not fit: refused after the others went in
+    mesh = SimpleNamespace(pipe=pipe, ctx=SimpleNamespace(rank=1))  # what serve_state reads
+    result = Mesh.serve_state(mesh, CacheState("load", other, meta, {**life, "frame_index": 0}))
+    assert result.error is not None and repr(last) in result.error, result.error
+    now, _ = pipe.cache.state_dict()
+    assert all(torch.equal(now[name], kept[name]) for name in kept), [n for n in kept if not torch.equal(now[n], kept[n])]
+    assert pipe.lifecycle.state() == life

@@ -402,13 +402,15 @@ class Mesh:
                 raise ValueError("the generating ranks split the heads: snapshots are not supported")
             if message.op == "save":
                 return Result(life.call_id, life.epoch, state=pipe.cache.state_dict())
-            before = pipe.cache.state_dict(), life.state()
+            # copies: the cache's state is its live tensors, which a load refused part way has written
+            tensors, meta = pipe.cache.state_dict()
+            before = {name: t.clone() for name, t in tensors.items()}, meta, life.state()
             try:
                 pipe.cache.load_state_dict(message.tensors, message.meta)
                 life.load_state(message.lifecycle)
             except Exception:
-                pipe.cache.load_state_dict(*before[0])
-                life.load_state(before[1])
+                pipe.cache.load_state_dict(before[0], before[1])
+                life.load_state(before[2])
                 raise
             return Result(life.call_id, life.epoch)
         except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as exc:
