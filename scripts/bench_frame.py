@@ -17,9 +17,10 @@ frame so drift in the machine's speed touches every ratio alike. Reported per pa
 - the floor: the frame's FLOPs (torch.utils.flop_counter) over this machine's measured matmul
   rate in the model's dtype;
 - on a CPU, per model and dtype, one frame's attention over each ring length of its layers, by
-  SDPA and by matmul-softmax-matmul (``attention.matmul_attention``, the compiled model's choice
-  on a CPU in bf16), each compiled, in microseconds (on CUDA the compiled model always takes
-  SDPA, so the table is skipped there);
+  SDPA and by matmul-softmax-matmul (``attention.matmul_attention``), and for as many rows as
+  the largest ``--sessions``, SDPA in one call beside SDPA in the row groups the model takes
+  (``attention.ring_rows_per_call``), each compiled, in microseconds (skipped on CUDA, where
+  the model takes SDPA in one call);
 - batched sessions (owl_wms/engine/sessions.py): B sessions, each a frame a step, one model call
   per denoising step, compiled whole, in the first dtype: ms per step, per session-frame, and
   the aggregate session-frames a second, as a ratio to B = 1's, and the shares of a step's
@@ -180,35 +181,51 @@ def frame_flops(path) -> int:
     return counter.get_total_flops()
 
 
-def attention_times(cfg, window: int, dtype, repeats: int = 50) -> list[dict]:
+def one_sdpa_call(q, k, v, mask, scale: float):
+    """Every row in one SDPA call: what ``attention.sdpa_attention`` splits into row groups."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)
+
+
+def timed_in_turns(kernels: dict, args: tuple, repeats: int) -> dict[str, float]:
+    """Median microseconds of each compiled kernel on ``args``, the kernels taking turns."""
+    samples = {name: [] for name in kernels}
+    for kernel in kernels.values():
+        kernel(*args)
+    for _ in range(repeats):
+        for name, kernel in kernels.items():
+            t0 = time.perf_counter()
+            kernel(*args)
+            samples[name].append(time.perf_counter() - t0)
+    return {name: 1e6 * statistics.median(x) for name, x in samples.items()}
+
+
+def attention_times(cfg, window: int, dtype, rows: int, repeats: int = 50) -> list[dict]:
     """Microseconds of one frame's queries attending over each ring length of the model's layers
-    on the CPU (under a mask with a masked-out slot and a biased one), SDPA beside
-    matmul-softmax-matmul, each compiled as in the compiled model: the medians of ``repeats`` calls."""
-    from owl_wms.attention import matmul_attention, sdpa_attention
+    on the CPU (under a mask with a masked-out slot and a biased one), each compiled as in the
+    compiled model, the medians of ``repeats`` calls: for one row, SDPA beside
+    matmul-softmax-matmul; for ``rows`` rows (sessions), SDPA in one call beside SDPA in the row
+    groups the model takes (``attention.ring_rows_per_call``)."""
+    from owl_wms.attention import matmul_attention, ring_rows_per_call, sdpa_attention
 
     compiled = {name: torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
-                for name, fn in (("sdpa", sdpa_attention), ("matmul", matmul_attention))}
+                for name, fn in (("sdpa", sdpa_attention), ("matmul", matmul_attention), ("one_call", one_sdpa_call))}
     g = torch.Generator().manual_seed(0)
     heads, tpf = cfg.n_heads, cfg.tokens_per_frame
     dh = cfg.d_model // heads
     slot_counts = sorted({min(window, cfg.decode_window(layer) or window) for layer in range(cfg.n_layers)})
-    rows = []
+    out = []
     for slots in slot_counts:
-        q, k, v = (torch.randn(1, heads, n, dh, generator=g).to(dtype) for n in (tpf, slots * tpf, slots * tpf))
-        mask = torch.zeros(1, slots * tpf)
-        mask[:, :tpf], mask[:, tpf:2 * tpf] = float("-inf"), -0.5
-        times = {}
-        for name, kernel in compiled.items():
-            kernel(q, k, v, mask, dh ** -0.5)
-            samples = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                kernel(q, k, v, mask, dh ** -0.5)
-                samples.append(time.perf_counter() - t0)
-            times[name] = 1e6 * statistics.median(samples)
-        rows.append({"dtype": str(dtype).removeprefix("torch."), "keys": slots * tpf, "queries": tpf, "heads": heads,
-                     "sdpa_us": times["sdpa"], "matmul_us": times["matmul"]})
-    return rows
+        q, k, v = (torch.randn(rows, heads, n, dh, generator=g).to(dtype) for n in (tpf, slots * tpf, slots * tpf))
+        mask = torch.zeros(rows, 1, 1, slots * tpf)
+        mask[..., :tpf], mask[..., tpf:2 * tpf] = float("-inf"), -0.5
+        one = timed_in_turns({n: compiled[n] for n in ("sdpa", "matmul")},
+                             (q[:1], k[:1], v[:1], mask[0, 0], dh ** -0.5), repeats)
+        many = timed_in_turns({n: compiled[n] for n in ("sdpa", "one_call")}, (q, k, v, mask, dh ** -0.5), repeats)
+        out.append({"dtype": str(dtype).removeprefix("torch."), "keys": slots * tpf, "queries": tpf, "heads": heads,
+                    "sdpa_us": one["sdpa"], "matmul_us": one["matmul"], "rows": rows,
+                    "rows_per_call": ring_rows_per_call(k), "rows_one_call_us": many["one_call"],
+                    "rows_grouped_us": many["sdpa"]})
+    return out
 
 
 def overhead_share(path, frames: int, device) -> float:
@@ -318,14 +335,17 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     sessions = session_rows(label, model, decoder, world, history, args)
     if args.device != "cpu":
         return rows, [], sessions
+    rows_at_once = max(args.sessions, default=8)
     attention = [dict(a, model=label) for name in args.dtype
-                 for a in attention_times(cfg, window, DTYPES[name])]
+                 for a in attention_times(cfg, window, DTYPES[name], rows_at_once)]
     print(f"attention of one frame's queries ({cfg.tokens_per_frame} tokens, {cfg.n_heads} heads) over a ring, "
-          "compiled, median us:")
-    print(f"{'dtype':>9} {'keys':>6} {'sdpa us':>9} {'matmul us':>10} {'sdpa / matmul':>14}")
+          f"compiled, median us; one row, and {rows_at_once} rows in one SDPA call or in the model's row groups:")
+    print(f"{'dtype':>9} {'keys':>6} {'sdpa us':>9} {'matmul us':>10} {'sdpa / matmul':>14} {'rows/call':>10} "
+          f"{'one call us':>12} {'grouped us':>11} {'grouped / one':>14}")
     for a in attention:
         print(f"{a['dtype']:>9} {a['keys']:>6} {a['sdpa_us']:>9.1f} {a['matmul_us']:>10.1f} "
-              f"{a['sdpa_us'] / a['matmul_us']:>14.2f}")
+              f"{a['sdpa_us'] / a['matmul_us']:>14.2f} {a['rows_per_call']:>10} {a['rows_one_call_us']:>12.1f} "
+              f"{a['rows_grouped_us']:>11.1f} {a['rows_grouped_us'] / a['rows_one_call_us']:>14.2f}")
     return rows, attention, sessions
 
 

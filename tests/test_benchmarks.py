@@ -81,6 +81,9 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
     # the shipped world's ring lengths: its global layers' 32 slots and its local layers' 8
     assert sorted(a["keys"] for a in report["attention"]) == [8 * 64, 32 * 64]
     assert all(a["dtype"] == "float32" and a["sdpa_us"] > 0 and a["matmul_us"] > 0 for a in report["attention"])
+    # as many rows as the largest --sessions; fp32 rings attend in one call
+    assert all(a["rows"] == 2 and a["rows_per_call"] == 2 and a["rows_one_call_us"] > 0 and a["rows_grouped_us"] > 0
+               for a in report["attention"])
     assert [r["path"] for r in rows] == ["eager, int8 in-place", "compiled per block, int8 in-place",
                                          "compiled whole, int8 in-place", "compiled whole, bf16 in-place",
                                          "eager, bf16 roll (the original's layout)"]
