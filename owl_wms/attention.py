@@ -176,11 +176,24 @@ def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
 
 
 # A frame's queries over the rings of several sessions: on the CPU in bf16 (or fp16), SDPA's
-# flash kernel slows down when one call holds many rows of long rings (8 rows of 2112 keys took
-# 1.7-2.1x the time of the same rows in calls of one or two rows; fp32 showed no such cliff, and
-# short rings ran best in one call: the rows columns of scripts/bench_frame.py's attention table). So such a call
-# takes as many rows at a time as keep its keys and values within this many bytes.
+# flash kernel slowed down when one call held many rows of long rings (the shipped world, 8
+# sessions: a batched step took 0.80x the time with its 2048-key rings attended two rows a call;
+# 4 sessions gained nothing; fp32 showed no such slowdown; scripts/bench_frame.py's sessions
+# table times both). Calls over a ring take as many rows at a time as keep their keys and values
+# within this many bytes.
 RING_ROWS_BYTES = 2 << 20
+
+
+@contextlib.contextmanager
+def ring_rows_bytes(nbytes: int):
+    """Run a block with another row-group budget (a huge one: every row in one call); for
+    benchmarks, which time both."""
+    global RING_ROWS_BYTES
+    saved, RING_ROWS_BYTES = RING_ROWS_BYTES, nbytes
+    try:
+        yield
+    finally:
+        RING_ROWS_BYTES = saved
 
 
 def ring_rows_per_call(k: torch.Tensor) -> int:

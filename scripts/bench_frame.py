@@ -17,14 +17,14 @@ frame so drift in the machine's speed touches every ratio alike. Reported per pa
 - the floor: the frame's FLOPs (torch.utils.flop_counter) over this machine's measured matmul
   rate in the model's dtype;
 - on a CPU, per model and dtype, one frame's attention over each ring length of its layers, by
-  SDPA and by matmul-softmax-matmul (``attention.matmul_attention``), and for as many rows as
-  the largest ``--sessions``, SDPA in one call beside SDPA in the row groups the model takes
-  (``attention.ring_rows_per_call``), each compiled, in microseconds (skipped on CUDA, where
-  the model takes SDPA in one call);
+  SDPA and by matmul-softmax-matmul (``attention.matmul_attention``), each compiled, in
+  microseconds (on CUDA the compiled model always takes SDPA, so the table is skipped there);
 - batched sessions (owl_wms/engine/sessions.py): B sessions, each a frame a step, one model call
-  per denoising step, compiled whole, in the first dtype: ms per step, per session-frame, and
-  the aggregate session-frames a second, as a ratio to B = 1's, and the shares of a step's
-  denoising spent in attention and in the matmuls (torch.profiler).
+  per denoising step, compiled whole, in the first dtype, the batch sizes taking turns step by
+  step (on a CPU the largest also with its rings' attention in one SDPA call over every row
+  instead of the row groups of ``attention.ring_rows_per_call``): ms per step, per
+  session-frame, and the aggregate session-frames a second, as a ratio to B = 1's, and the
+  shares of a step's denoising spent in attention and in the matmuls (torch.profiler).
 
 ``--original PATH``: a checkout of Wayfarer-Labs/owl-wms, branch laptop_inference_v2_bf16 (needs
 rotary-embedding-torch). Its GameRFTCore, StaticCache and two-step loop run on the same weights,
@@ -34,6 +34,7 @@ eagerly (compiled FlexAttention does not build on a CPU), as the original's CPU 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import importlib
@@ -181,51 +182,35 @@ def frame_flops(path) -> int:
     return counter.get_total_flops()
 
 
-def one_sdpa_call(q, k, v, mask, scale: float):
-    """Every row in one SDPA call: what ``attention.sdpa_attention`` splits into row groups."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)
-
-
-def timed_in_turns(kernels: dict, args: tuple, repeats: int) -> dict[str, float]:
-    """Median microseconds of each compiled kernel on ``args``, the kernels taking turns."""
-    samples = {name: [] for name in kernels}
-    for kernel in kernels.values():
-        kernel(*args)
-    for _ in range(repeats):
-        for name, kernel in kernels.items():
-            t0 = time.perf_counter()
-            kernel(*args)
-            samples[name].append(time.perf_counter() - t0)
-    return {name: 1e6 * statistics.median(x) for name, x in samples.items()}
-
-
-def attention_times(cfg, window: int, dtype, rows: int, repeats: int = 50) -> list[dict]:
+def attention_times(cfg, window: int, dtype, repeats: int = 50) -> list[dict]:
     """Microseconds of one frame's queries attending over each ring length of the model's layers
-    on the CPU (under a mask with a masked-out slot and a biased one), each compiled as in the
-    compiled model, the medians of ``repeats`` calls: for one row, SDPA beside
-    matmul-softmax-matmul; for ``rows`` rows (sessions), SDPA in one call beside SDPA in the row
-    groups the model takes (``attention.ring_rows_per_call``)."""
-    from owl_wms.attention import matmul_attention, ring_rows_per_call, sdpa_attention
+    on the CPU (under a mask with a masked-out slot and a biased one), SDPA beside
+    matmul-softmax-matmul, each compiled as in the compiled model: the medians of ``repeats`` calls."""
+    from owl_wms.attention import matmul_attention, sdpa_attention
 
     compiled = {name: torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
-                for name, fn in (("sdpa", sdpa_attention), ("matmul", matmul_attention), ("one_call", one_sdpa_call))}
+                for name, fn in (("sdpa", sdpa_attention), ("matmul", matmul_attention))}
     g = torch.Generator().manual_seed(0)
     heads, tpf = cfg.n_heads, cfg.tokens_per_frame
     dh = cfg.d_model // heads
     slot_counts = sorted({min(window, cfg.decode_window(layer) or window) for layer in range(cfg.n_layers)})
-    out = []
+    rows = []
     for slots in slot_counts:
-        q, k, v = (torch.randn(rows, heads, n, dh, generator=g).to(dtype) for n in (tpf, slots * tpf, slots * tpf))
-        mask = torch.zeros(rows, 1, 1, slots * tpf)
-        mask[..., :tpf], mask[..., tpf:2 * tpf] = float("-inf"), -0.5
-        one = timed_in_turns({n: compiled[n] for n in ("sdpa", "matmul")},
-                             (q[:1], k[:1], v[:1], mask[0, 0], dh ** -0.5), repeats)
-        many = timed_in_turns({n: compiled[n] for n in ("sdpa", "one_call")}, (q, k, v, mask, dh ** -0.5), repeats)
-        out.append({"dtype": str(dtype).removeprefix("torch."), "keys": slots * tpf, "queries": tpf, "heads": heads,
-                    "sdpa_us": one["sdpa"], "matmul_us": one["matmul"], "rows": rows,
-                    "rows_per_call": ring_rows_per_call(k), "rows_one_call_us": many["one_call"],
-                    "rows_grouped_us": many["sdpa"]})
-    return out
+        q, k, v = (torch.randn(1, heads, n, dh, generator=g).to(dtype) for n in (tpf, slots * tpf, slots * tpf))
+        mask = torch.zeros(1, slots * tpf)
+        mask[:, :tpf], mask[:, tpf:2 * tpf] = float("-inf"), -0.5
+        times = {}
+        for name, kernel in compiled.items():
+            kernel(q, k, v, mask, dh ** -0.5)
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                kernel(q, k, v, mask, dh ** -0.5)
+                samples.append(time.perf_counter() - t0)
+            times[name] = 1e6 * statistics.median(samples)
+        rows.append({"dtype": str(dtype).removeprefix("torch."), "keys": slots * tpf, "queries": tpf, "heads": heads,
+                     "sdpa_us": times["sdpa"], "matmul_us": times["matmul"]})
+    return rows
 
 
 def overhead_share(path, frames: int, device) -> float:
@@ -335,17 +320,14 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     sessions = session_rows(label, model, decoder, world, history, args)
     if args.device != "cpu":
         return rows, [], sessions
-    rows_at_once = max(args.sessions, default=8)
     attention = [dict(a, model=label) for name in args.dtype
-                 for a in attention_times(cfg, window, DTYPES[name], rows_at_once)]
+                 for a in attention_times(cfg, window, DTYPES[name])]
     print(f"attention of one frame's queries ({cfg.tokens_per_frame} tokens, {cfg.n_heads} heads) over a ring, "
-          f"compiled, median us; one row, and {rows_at_once} rows in one SDPA call or in the model's row groups:")
-    print(f"{'dtype':>9} {'keys':>6} {'sdpa us':>9} {'matmul us':>10} {'sdpa / matmul':>14} {'rows/call':>10} "
-          f"{'one call us':>12} {'grouped us':>11} {'grouped / one':>14}")
+          "compiled, median us:")
+    print(f"{'dtype':>9} {'keys':>6} {'sdpa us':>9} {'matmul us':>10} {'sdpa / matmul':>14}")
     for a in attention:
         print(f"{a['dtype']:>9} {a['keys']:>6} {a['sdpa_us']:>9.1f} {a['matmul_us']:>10.1f} "
-              f"{a['sdpa_us'] / a['matmul_us']:>14.2f} {a['rows_per_call']:>10} {a['rows_one_call_us']:>12.1f} "
-              f"{a['rows_grouped_us']:>11.1f} {a['rows_grouped_us'] / a['rows_one_call_us']:>14.2f}")
+              f"{a['sdpa_us'] / a['matmul_us']:>14.2f}")
     return rows, attention, sessions
 
 
@@ -354,6 +336,7 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
     ``args.sessions``: ms per batched step (a frame of every session, decoded with the decoder
     when there is one), per session-frame, and the aggregate rate as a ratio to B = 1's."""
     from inference.flags import resolve_settings, with_threads
+    from owl_wms.attention import ring_rows_bytes
     from owl_wms.engine.sessions import Sessions
     from owl_wms.settings import without_kv
 
@@ -361,46 +344,64 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
         return []
     settings = with_threads(resolve_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device}))
     dtype = DTYPES[args.dtype[0]]
-    sync, rows = synchronizer(args.device), []
-    for n in args.sessions:
+    # Every batch size with the ring's SDPA in row groups (the default); the largest also with
+    # every row in one call, the arrangement the groups replace on the CPU (attention.py).
+    arms = [(n, "row groups") for n in args.sessions]
+    if args.device == "cpu" and max(args.sessions) > 1:
+        arms.append((max(args.sessions), "one call"))
+
+    def ring_calls(arm):
+        return ring_rows_bytes(1 << 62) if arm[1] == "one call" else contextlib.nullcontext()
+
+    sync, batches = synchronizer(args.device), {}
+    for arm in arms:
+        n = arm[0]
         batch = Sessions(copy.deepcopy(model), copy.deepcopy(decoder), world, settings.replace(dtype=dtype),
                          capacity=n, verbose=False)
         pipes = [batch.open(seed=i, clip=None) for i in range(n)]
         for pipe in pipes:
             pipe.prefill(*history)
-        controls = {pipe: WALK for pipe in pipes}
-        for _ in range(args.warmup):
-            latents = batch.step(controls)
-            if decoder is not None:
-                batch.decode(list(latents.values()))
-        denoise, decode = [], []
-        for _ in range(args.frames):
-            sync()
-            t0 = time.perf_counter()
-            latents = batch.step(controls)
-            sync()
-            t1 = time.perf_counter()
+        batches[arm] = (batch, {pipe: WALK for pipe in pipes})
+        with ring_calls(arm):
+            for _ in range(args.warmup):
+                latents = batch.step(batches[arm][1])
+                if decoder is not None:
+                    batch.decode(list(latents.values()))
+    denoise, decode = ({arm: [] for arm in batches} for _ in range(2))
+    for _ in range(args.frames):  # the arms take turns, step by step
+        for arm, (batch, controls) in batches.items():
+            with ring_calls(arm):
+                sync()
+                t0 = time.perf_counter()
+                latents = batch.step(controls)
+                sync()
+                t1 = time.perf_counter()
             if decoder is not None:
                 batch.decode(list(latents.values()))
                 sync()
-            decode.append(time.perf_counter() - t1)
-            denoise.append(t1 - t0)
-        denoise_ms, decode_ms = (1000 * statistics.median(x) for x in (denoise, decode))
+            decode[arm].append(time.perf_counter() - t1)
+            denoise[arm].append(t1 - t0)
+    rows = []
+    for arm, (batch, controls) in batches.items():
+        denoise_ms, decode_ms = (1000 * statistics.median(x[arm]) for x in (denoise, decode))
         ms = denoise_ms + decode_ms if decoder is not None else denoise_ms
-        rows.append({"model": label, "sessions": n, "dtype": args.dtype[0], "denoise_ms": denoise_ms,
-                     "step_ms": ms, "session_frame_ms": ms / n, "aggregate_fps": 1000 * n / ms,
-                     "denoise_fps": 1000 * n / denoise_ms, "decoded": decoder is not None,
-                     **op_shares(functools.partial(batch.step, controls), args.profile_frames, args.device)})
+        with ring_calls(arm):
+            shares = op_shares(functools.partial(batch.step, controls), args.profile_frames, args.device)
+        rows.append({"model": label, "sessions": arm[0], "ring_sdpa": arm[1], "dtype": args.dtype[0],
+                     "denoise_ms": denoise_ms, "step_ms": ms, "session_frame_ms": ms / arm[0],
+                     "aggregate_fps": 1000 * arm[0] / ms, "denoise_fps": 1000 * arm[0] / denoise_ms,
+                     "decoded": decoder is not None, **shares})
     for r in rows:
         r["x_one_session"] = r["aggregate_fps"] / rows[0]["aggregate_fps"]
         r["x_one_session_denoise"] = r["denoise_fps"] / rows[0]["denoise_fps"]
     what = "a step: denoise + decode" if decoder is not None else "a step: denoise only"
     print(f"batched sessions, compiled whole, int8 in-place, {args.dtype[0]} ({what}):")
-    print(f"{'sessions':>9} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} {'session-frames/s':>17} "
-          f"{'x one session':>14} {'x (denoise)':>12} {'attention':>10} {'matmuls':>8}")
+    print(f"{'sessions':>9} {'ring SDPA':>11} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} "
+          f"{'session-frames/s':>17} {'x one session':>14} {'x (denoise)':>12} {'attention':>10} {'matmuls':>8}")
     for r in rows:
-        print(f"{r['sessions']:>9} {r['denoise_ms']:>11.2f} {r['step_ms']:>9.2f} {r['session_frame_ms']:>17.2f} "
-              f"{r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} {r['x_one_session_denoise']:>12.2f} "
+        print(f"{r['sessions']:>9} {r['ring_sdpa']:>11} {r['denoise_ms']:>11.2f} {r['step_ms']:>9.2f} "
+              f"{r['session_frame_ms']:>17.2f} {r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} "
+              f"{r['x_one_session_denoise']:>12.2f} "
               + (f"{r['attention_share']:>10.0%} {r['matmul_share']:>8.0%}" if r["attention_share"] is not None else ""))
     print("(attention, matmuls: their shares of a step's denoising under torch.profiler)")
     return rows
