@@ -16,8 +16,10 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
 
     quit_during_startup()
     from inference.cores import same_numbers_at_any_thread_count
+    from inference.heap import keep_freed_memory
 
     same_numbers_at_any_thread_count()
+    keep_freed_memory()
     if not {"-h", "--help"} & set(sys.argv):
         print("[owl] starting ...", flush=True)
 

@@ -175,46 +175,9 @@ def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
     return _attend_sdpa(q, k, v, tpf, window, chunk, scale)
 
 
-# A frame's queries over the rings of several sessions: on the CPU in bf16 (or fp16), SDPA's
-# flash kernel slowed down when one call held many rows of long rings (the shipped world, 8
-# sessions: a batched step took 0.80x the time with its 2048-key rings attended two rows a call;
-# 4 sessions gained nothing; fp32 showed no such slowdown; scripts/bench_frame.py's sessions
-# table times both). Calls over a ring take as many rows at a time as keep their keys and values
-# within this many bytes.
-RING_ROWS_BYTES = 2 << 20
-
-
-@contextlib.contextmanager
-def ring_rows_bytes(nbytes: int):
-    """Run a block with another row-group budget (a huge one: every row in one call); for
-    benchmarks, which time both."""
-    global RING_ROWS_BYTES
-    saved, RING_ROWS_BYTES = RING_ROWS_BYTES, nbytes
-    try:
-        yield
-    finally:
-        RING_ROWS_BYTES = saved
-
-
-def ring_rows_per_call(k: torch.Tensor) -> int:
-    """Rows of ``k`` [b, h, Tk, dh] (and as many of V) one SDPA call over a ring takes."""
-    if k.device.type != "cpu" or k.dtype == torch.float32 or k.dtype == torch.float64:
-        return k.shape[0]
-    row_bytes = 2 * k[0].numel() * k.element_size()
-    return max(1, min(k.shape[0], RING_ROWS_BYTES // row_bytes))
-
-
 def sdpa_attention(q, k, v, mask, scale: float):
-    """SDPA under the additive float ``mask`` [Tq or 1, Tk], or one per row [b, 1, Tq or 1, Tk]
-    (``matmul_attention``'s signature); rows in groups of ``ring_rows_per_call``."""
-    mask = mask.to(q.dtype)
-    rows, b = ring_rows_per_call(k), q.shape[0]
-    if rows >= b:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    per_row = mask.dim() == 4 and mask.shape[0] == b
-    return torch.cat([F.scaled_dot_product_attention(q[i:i + rows], k[i:i + rows], v[i:i + rows],
-                                                     attn_mask=mask[i:i + rows] if per_row else mask, scale=scale)
-                      for i in range(0, b, rows)])
+    """SDPA under the additive float ``mask`` [Tq or 1, Tk] (``matmul_attention``'s signature)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)
 
 
 def matmul_attention(q, k, v, mask, scale: float):

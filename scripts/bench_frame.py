@@ -21,10 +21,10 @@ frame so drift in the machine's speed touches every ratio alike. Reported per pa
   microseconds (on CUDA the compiled model always takes SDPA, so the table is skipped there);
 - batched sessions (owl_wms/engine/sessions.py): B sessions, each a frame a step, one model call
   per denoising step, compiled whole, in the first dtype, the batch sizes taking turns step by
-  step (on a CPU the largest also with its rings' attention in one SDPA call over every row
-  instead of the row groups of ``attention.ring_rows_per_call``): ms per step, per
-  session-frame, and the aggregate session-frames a second, as a ratio to B = 1's, and the
-  shares of a step's denoising spent in attention and in the matmuls (torch.profiler).
+  step: ms per step, per session-frame, and the aggregate session-frames a second, as a ratio
+  to B = 1's, the minor page faults a step's denoising took (inference/heap.py: none where the
+  heap keeps freed blocks), and the shares of a step's denoising spent in attention and in the
+  matmuls (torch.profiler).
 
 ``--original PATH``: a checkout of Wayfarer-Labs/owl-wms, branch laptop_inference_v2_bf16 (needs
 rotary-embedding-torch). Its GameRFTCore, StaticCache and two-step loop run on the same weights,
@@ -34,7 +34,6 @@ eagerly (compiled FlexAttention does not build on a CPU), as the original's CPU 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import functools
 import importlib
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from .common import machine, require_at_least, synchronizer
+from .common import HEAP_KEPT, machine, minor_faults, require_at_least, synchronizer
 
 # (path, OWL_* flags); the first is the eager path, the third the default (the model compiled whole)
 INT8 = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}
@@ -336,7 +335,6 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
     ``args.sessions``: ms per batched step (a frame of every session, decoded with the decoder
     when there is one), per session-frame, and the aggregate rate as a ratio to B = 1's."""
     from inference.flags import resolve_settings, with_threads
-    from owl_wms.attention import ring_rows_bytes
     from owl_wms.engine.sessions import Sessions
     from owl_wms.settings import without_kv
 
@@ -344,64 +342,52 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
         return []
     settings = with_threads(resolve_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device}))
     dtype = DTYPES[args.dtype[0]]
-    # Every batch size with the ring's SDPA in row groups (the default); the largest also with
-    # every row in one call, the arrangement the groups replace on the CPU (attention.py).
-    arms = [(n, "row groups") for n in args.sessions]
-    if args.device == "cpu" and max(args.sessions) > 1:
-        arms.append((max(args.sessions), "one call"))
-
-    def ring_calls(arm):
-        return ring_rows_bytes(1 << 62) if arm[1] == "one call" else contextlib.nullcontext()
-
     sync, batches = synchronizer(args.device), {}
-    for arm in arms:
-        n = arm[0]
+    for n in args.sessions:
         batch = Sessions(copy.deepcopy(model), copy.deepcopy(decoder), world, settings.replace(dtype=dtype),
                          capacity=n, verbose=False)
         pipes = [batch.open(seed=i, clip=None) for i in range(n)]
         for pipe in pipes:
             pipe.prefill(*history)
-        batches[arm] = (batch, {pipe: WALK for pipe in pipes})
-        with ring_calls(arm):
-            for _ in range(args.warmup):
-                latents = batch.step(batches[arm][1])
-                if decoder is not None:
-                    batch.decode(list(latents.values()))
-    denoise, decode = ({arm: [] for arm in batches} for _ in range(2))
-    for _ in range(args.frames):  # the arms take turns, step by step
-        for arm, (batch, controls) in batches.items():
-            with ring_calls(arm):
-                sync()
-                t0 = time.perf_counter()
-                latents = batch.step(controls)
-                sync()
-                t1 = time.perf_counter()
+        batches[n] = (batch, {pipe: WALK for pipe in pipes})
+        for _ in range(args.warmup):
+            latents = batch.step(batches[n][1])
+            if decoder is not None:
+                batch.decode(list(latents.values()))
+    denoise, decode, faults = ({n: [] for n in batches} for _ in range(3))
+    for _ in range(args.frames):  # the batch sizes take turns, step by step
+        for n, (batch, controls) in batches.items():
+            sync()
+            f0, t0 = minor_faults(), time.perf_counter()
+            latents = batch.step(controls)
+            sync()
+            t1 = time.perf_counter()
+            faults[n].append(minor_faults() - f0)
             if decoder is not None:
                 batch.decode(list(latents.values()))
                 sync()
-            decode[arm].append(time.perf_counter() - t1)
-            denoise[arm].append(t1 - t0)
+            decode[n].append(time.perf_counter() - t1)
+            denoise[n].append(t1 - t0)
     rows = []
-    for arm, (batch, controls) in batches.items():
-        denoise_ms, decode_ms = (1000 * statistics.median(x[arm]) for x in (denoise, decode))
+    for n, (batch, controls) in batches.items():
+        denoise_ms, decode_ms = (1000 * statistics.median(x[n]) for x in (denoise, decode))
         ms = denoise_ms + decode_ms if decoder is not None else denoise_ms
-        with ring_calls(arm):
-            shares = op_shares(functools.partial(batch.step, controls), args.profile_frames, args.device)
-        rows.append({"model": label, "sessions": arm[0], "ring_sdpa": arm[1], "dtype": args.dtype[0],
-                     "denoise_ms": denoise_ms, "step_ms": ms, "session_frame_ms": ms / arm[0],
-                     "aggregate_fps": 1000 * arm[0] / ms, "denoise_fps": 1000 * arm[0] / denoise_ms,
-                     "decoded": decoder is not None, **shares})
+        rows.append({"model": label, "sessions": n, "dtype": args.dtype[0], "denoise_ms": denoise_ms,
+                     "step_ms": ms, "session_frame_ms": ms / n, "aggregate_fps": 1000 * n / ms,
+                     "denoise_fps": 1000 * n / denoise_ms, "decoded": decoder is not None,
+                     "page_faults_per_step": statistics.mean(faults[n]), "heap_kept": HEAP_KEPT,
+                     **op_shares(functools.partial(batch.step, controls), args.profile_frames, args.device)})
     for r in rows:
         r["x_one_session"] = r["aggregate_fps"] / rows[0]["aggregate_fps"]
         r["x_one_session_denoise"] = r["denoise_fps"] / rows[0]["denoise_fps"]
     what = "a step: denoise + decode" if decoder is not None else "a step: denoise only"
     print(f"batched sessions, compiled whole, int8 in-place, {args.dtype[0]} ({what}):")
-    print(f"{'sessions':>9} {'ring SDPA':>11} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} "
-          f"{'session-frames/s':>17} {'x one session':>14} {'x (denoise)':>12} {'attention':>10} {'matmuls':>8}")
+    print(f"{'sessions':>9} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} {'session-frames/s':>17} "
+          f"{'x one session':>14} {'x (denoise)':>12} {'faults/step':>12} {'attention':>10} {'matmuls':>8}")
     for r in rows:
-        print(f"{r['sessions']:>9} {r['ring_sdpa']:>11} {r['denoise_ms']:>11.2f} {r['step_ms']:>9.2f} "
-              f"{r['session_frame_ms']:>17.2f} {r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} "
-              f"{r['x_one_session_denoise']:>12.2f} "
+        print(f"{r['sessions']:>9} {r['denoise_ms']:>11.2f} {r['step_ms']:>9.2f} {r['session_frame_ms']:>17.2f} "
+              f"{r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} {r['x_one_session_denoise']:>12.2f} "
+              f"{r['page_faults_per_step']:>12.0f} "
               + (f"{r['attention_share']:>10.0%} {r['matmul_share']:>8.0%}" if r["attention_share"] is not None else ""))
     print("(attention, matmuls: their shares of a step's denoising under torch.profiler)")
     return rows

@@ -12,11 +12,22 @@ import sys
 from pathlib import Path
 
 from inference.cores import same_numbers_at_any_thread_count
+from inference.heap import keep_freed_memory
 
 same_numbers_at_any_thread_count()  # as the apps run, before torch's first matmul
+HEAP_KEPT = keep_freed_memory()  # as the apps run (False where the environment tunes malloc)
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def minor_faults() -> int:
+    """Minor page faults this process has taken (0 where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 PRESETS = REPO / "configs" / "kv_presets.yaml"
 SHIPPED = REPO / "checkpoints" / "maze-world"
 # OWL_KV_LATE_LAYERS in a preset may be a share of the model's depth.

@@ -89,13 +89,12 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
         assert r["dtype"] == "float32" and r["calls_ms"] > 0 and r["decode_ms"] > 0 and r["floor_ms"] > 0
         assert r["end_to_end_ms"] == pytest.approx(r["calls_ms"] + r["decode_ms"]) and 0 <= r["overhead_share"] < 1
     sessions = report["sessions"]
-    assert [(r["sessions"], r["ring_sdpa"]) for r in sessions] == [(1, "row groups"), (2, "row groups"),
-                                                                   (2, "one call")]
-    assert sessions[0]["x_one_session"] == 1.0
+    assert [r["sessions"] for r in sessions] == [1, 2] and sessions[0]["x_one_session"] == 1.0
     for r in sessions:
         assert r["step_ms"] > 0 and r["session_frame_ms"] == pytest.approx(r["step_ms"] / r["sessions"])
         assert r["aggregate_fps"] == pytest.approx(1000 * r["sessions"] / r["step_ms"]) and r["decoded"]
         assert 0 < r["attention_share"] and 0 < r["matmul_share"] and r["attention_share"] + r["matmul_share"] < 1
+        assert isinstance(r["heap_kept"], bool) and r["page_faults_per_step"] >= 0
 
 
 def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path):

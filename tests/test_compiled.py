@@ -142,25 +142,6 @@ def test_matmul_attention_is_sdpa_under_an_additive_mask():
     assert torch.allclose(matmul_attention(q, k, v, mask, 0.25), expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("shared_mask", [False, True])
-def test_sdpa_over_the_rings_of_many_rows_in_row_groups_equals_one_call(shared_mask):
-    """In bf16 on the CPU, eight rows of 2048-key rings attend two rows a call (the flash
-    kernel's cliff, attention.RING_ROWS_BYTES); each group is the same arithmetic as one call
-    over all rows, with one mask per row or one for all; fp32 and short rings stay one call."""
-    from owl_wms.attention import ring_rows_per_call, sdpa_attention
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(8, 2, n, 64, generator=g).to(torch.bfloat16) for n in (64, 2048, 2048))
-    mask = torch.zeros(1 if shared_mask else 8, 1, 1, 2048)
-    mask[..., :64], mask[-1, ..., 64:128] = float("-inf"), -0.5
-    if shared_mask:
-        mask = mask[0, 0]
-    assert ring_rows_per_call(k) == 2
-    assert ring_rows_per_call(k.float()) == 8 and ring_rows_per_call(k[:, :, :512]) == 8
-    one_call = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=0.125)
-    assert torch.equal(sdpa_attention(q, k, v, mask, 0.125), one_call)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_graph_gives_the_same_frames_run_to_run(device):
     first, second = (play(pipeline("int8", True, device=device), 2 * WINDOW) for _ in range(2))
