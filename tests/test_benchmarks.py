@@ -97,6 +97,15 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
         assert isinstance(r["heap_kept"], bool) and r["page_faults_per_step"] >= 0
 
 
+def test_bench_heap_times_the_kept_heap_beside_glibc_s_default_each_in_its_own_process(tmp_path):
+    out = bench("bench_heap", "--sessions", 1, "--steps", 2, "--rounds", 1, "--json", tmp_path / "heap.json")
+    rows = json.loads((tmp_path / "heap.json").read_text())["rows"]
+    glibc = os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc") if hasattr(os, "confstr") else False
+    assert [r["heap"] for r in rows] == (["kept", "glibc default"] if glibc else ["glibc default"] * 2)
+    assert all(r["sessions"] == 1 and r["step_ms"] > 0 and r["page_faults_per_step"] >= 0 for r in rows)
+    assert re.search(rf"round 1:\s+kept heap, 1 sessions: {NUMBER} ms a step", out) or not glibc, out
+
+
 def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path):
     """From a cold and then a warm compile cache: the first frame, then the compiled call taking
     over, every graph in, and the frame rates on both sides of the switch (the tiny world, over
