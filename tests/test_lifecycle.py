@@ -212,6 +212,31 @@ def test_snapshot_from_other_settings_is_refused(tmp_path):
         a.load_state(damaged)
 
 
+@pytest.mark.parametrize("damage", ["anchor", "replay", "noise"])
+def test_a_snapshot_refused_part_way_leaves_the_pipeline_as_it_was(damage):
+    """A snapshot of the same settings whose cache loads but a later part is damaged: refused with
+    the part named, and the pipeline makes the frames it would have made without the attempt."""
+    b = make(kv_recompute_every=4, **INT8_INPLACE)
+    b.prefill(*history())
+    run(b, controls(3))
+    twin = make(kv_recompute_every=4, **INT8_INPLACE)
+    twin.load_state(b.get_state())
+    other = make(kv_recompute_every=4, **INT8_INPLACE)
+    other.prefill(*history(seed=7))
+    run(other, controls(5, seed=8))
+    damaged = other.get_state()
+    if damage == "noise":  # not a generator's state
+        damaged["tensors"]["noise.rng"] = torch.zeros(3)
+    elif damage == "anchor":  # more frames than it holds
+        damaged["meta"]["parts"]["anchor"]["frames"] += 1
+    else:  # its step lost
+        del damaged["meta"]["parts"]["replay"]["step"]
+    with pytest.raises(ValueError, match=f"snapshot refused: its {damage} state does not fit"):
+        b.load_state(damaged)
+    cont = controls(5, seed=9)
+    assert torch.equal(run(b, cont), run(twin, cont))
+
+
 # -- state machine -----------------------------------------------------------------------------------
 def test_state_machine_phases_and_envelope_checks():
     life = Lifecycle(n_steps=2, recompute_every=2)

@@ -62,16 +62,51 @@ def load_state(pipe, state: dict | str | Path):
     if missing or "noise.rng" not in tensors:
         raise ValueError(f"snapshot of format {STATE_FORMAT!r} lacks the state of {', '.join(missing) or 'the noise'}: "
                          "the file is damaged; save the snapshot again")
-    parts = {name: ({k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}, said[name])
-             for name in PARTS}
+    # All or nothing: a snapshot that matches this pipeline but holds a damaged part (a tensor
+    # missing or of another shape, say) is refused part way; the state it had goes back in, whole.
+    before = get_state(pipe)
+    try:
+        restore(pipe, split_parts(tensors, said))
+    except DamagedPart as exc:
+        restore(pipe, split_parts(before["tensors"], before["meta"]["parts"]))
+        raise ValueError(f"snapshot refused: its {exc.part} state does not fit this pipeline ({exc.reason}); the "
+                         "pipeline keeps the state it had; the file is damaged: save the snapshot again") from exc
+
+
+def restore(pipe, parts: dict) -> None:
     if pipe.stages is not None:  # two stages: the mesh's cache and lifecycle first, refused there or restored
         pipe.stages.load_cache_state(*parts["cache"], parts["lifecycle"][1])
+        restore_parts(pipe, parts, HOST_PARTS)
     else:
-        pipe.cache.load_state_dict(*parts["cache"])
-    pipe.recompute_anchor.restore(*parts["anchor"])
-    pipe.replay.restore(*parts["replay"])
-    pipe.lifecycle.load_state(parts["lifecycle"][1])
-    pipe.noise.restore(parts["noise"][0]["rng"])
+        restore_parts(pipe, parts, ("cache", *HOST_PARTS))
+
+
+HOST_PARTS = ("anchor", "replay", "lifecycle", "noise")  # restored in this order, after the cache
+
+
+class DamagedPart(Exception):
+    def __init__(self, part: str, exc: BaseException):
+        super().__init__(part)
+        self.part, self.reason = part, f"{type(exc).__name__}: {exc}"
+
+
+def split_parts(tensors: dict, said: dict) -> dict[str, tuple[dict, dict]]:
+    """A snapshot's tensors and metadata by part: {part: (tensors without the prefix, meta)}."""
+    return {name: ({k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}, said[name])
+            for name in PARTS}
+
+
+def restore_parts(pipe, parts: dict, names: tuple[str, ...]) -> None:
+    """Each named part restores its own state; the first that cannot raises ``DamagedPart``."""
+    restore = {"cache": lambda ts, meta: pipe.cache.load_state_dict(ts, meta),
+               "anchor": pipe.recompute_anchor.restore, "replay": pipe.replay.restore,
+               "lifecycle": lambda ts, meta: pipe.lifecycle.load_state(meta),
+               "noise": lambda ts, meta: pipe.noise.restore(ts["rng"])}
+    for name in names:
+        try:
+            restore[name](*parts[name])
+        except Exception as exc:
+            raise DamagedPart(name, exc) from exc
 
 
 def save_state(pipe, path: str | Path) -> Path:
