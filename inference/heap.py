@@ -4,9 +4,9 @@ glibc serves a block above its mmap threshold (128 KiB at start, raised on its o
 largest block freed so far, never past 32 MiB) with fresh pages from the OS and unmaps them on
 free. A batched step allocates and frees the same large temporaries every frame (several
 sessions' rings, read for attention), so without this every step faults those pages in again:
-at 8 sessions of the shipped world thousands of minor page faults a step, and a slower step
-(``scripts/bench_frame.py`` counts them; docs/results.md has both runs). Set once per process,
-at the app's start, like the thread count.
+at 8 sessions of the shipped world about 8,000 minor page faults a step and a slower step
+(``python -m scripts.bench_heap`` runs both heaps; docs/results.md, The heap). Set once per
+process, at the app's start, like the thread count.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def get_state(pipe) -> dict:
 @torch.no_grad()
 def load_state(pipe, state: dict | str | Path):
     """Restore a snapshot from ``get_state`` or a file written by ``save_state``: each part
-    restores its own state."""
+    restores its own state, all of them or none."""
     if not isinstance(state, dict):
         state = read_state(state)
     tensors, meta = state["tensors"], state["meta"]
@@ -74,6 +74,7 @@ def load_state(pipe, state: dict | str | Path):
 
 
 def restore(pipe, parts: dict) -> None:
+    """Every part of a snapshot into ``pipe``."""
     if pipe.stages is not None:  # two stages: the mesh's cache and lifecycle first, refused there or restored
         pipe.stages.load_cache_state(*parts["cache"], parts["lifecycle"][1])
         restore_parts(pipe, parts, HOST_PARTS)
@@ -98,13 +99,13 @@ def split_parts(tensors: dict, said: dict) -> dict[str, tuple[dict, dict]]:
 
 def restore_parts(pipe, parts: dict, names: tuple[str, ...]) -> None:
     """Each named part restores its own state; the first that cannot raises ``DamagedPart``."""
-    restore = {"cache": lambda ts, meta: pipe.cache.load_state_dict(ts, meta),
-               "anchor": pipe.recompute_anchor.restore, "replay": pipe.replay.restore,
-               "lifecycle": lambda ts, meta: pipe.lifecycle.load_state(meta),
-               "noise": lambda ts, meta: pipe.noise.restore(ts["rng"])}
+    restorers = {"cache": lambda ts, meta: pipe.cache.load_state_dict(ts, meta),
+                 "anchor": pipe.recompute_anchor.restore, "replay": pipe.replay.restore,
+                 "lifecycle": lambda ts, meta: pipe.lifecycle.load_state(meta),
+                 "noise": lambda ts, meta: pipe.noise.restore(ts["rng"])}
     for name in names:
         try:
-            restore[name](*parts[name])
+            restorers[name](*parts[name])
         except Exception as exc:
             raise DamagedPart(name, exc) from exc
 
