@@ -123,24 +123,16 @@ class AdaLN(nn.Module):
         y = F.rms_norm(per_frame(x, params.shape[1]), (x.shape[-1],)) * (1 + a) + b
         return y.view_as(x)
 
-    def forward(self, x, cond):
-        return self.modulate(x, self.params(cond))
-
 
 class Gate(nn.Module):
+    """The gate [b, n, d] of the conditioning is ``fc_c(silu(cond))`` (``Transformer.modulations``)."""
+
     def __init__(self, d: int):
         super().__init__()
         self.fc_c = nn.Linear(d, d)
 
-    def params(self, cond):
-        """The gate [b, n, d] of the conditioning ``cond`` [b, n, d]."""
-        return self.fc_c(F.silu(cond))
-
     def modulate(self, x, params):
         return (params.unsqueeze(2) * per_frame(x, params.shape[1])).view_as(x)
-
-    def forward(self, x, cond):
-        return self.modulate(x, self.params(cond))
 
 
 class DiTBlock(nn.Module):
@@ -153,42 +145,47 @@ class DiTBlock(nn.Module):
                               cfg.decode_window(layer))
         self.mlp = MLP(d, 4 * d, d)
 
+    def modulation_linears(self) -> tuple[nn.Linear, ...]:
+        """The projections of the conditioning, in the order of ``forward``'s ``mods``."""
+        return self.adaln1.fc, self.gate1.fc_c, self.adaln2.fc, self.gate2.fc_c
+
     # The block is split around the cache: the two halves are pure tensor code (what
     # torch.compile sees), the cache read/write between them stays eager.
-    def pre_attention(self, x, cond, cos, sin):
-        return self.attn.project(self.adaln1(x, cond), cos, sin)
+    def pre_attention(self, x, mods, cos, sin):
+        return self.attn.project(self.adaln1.modulate(x, mods[0]), cos, sin)
 
-    def pre_attention_q(self, x, cond, cos, sin):
-        return self.attn.project_q(self.adaln1(x, cond), cos, sin)
+    def pre_attention_q(self, x, mods, cos, sin):
+        return self.attn.project_q(self.adaln1.modulate(x, mods[0]), cos, sin)
 
-    def post_attention(self, x, cond, q, k, v, mask, window: int | None, backend: str):
-        x = x + self.gate1(self.attn.attend_out(q, k, v, window, backend, mask), cond)
-        return x + self.gate2(self.mlp(self.adaln2(x, cond)), cond)
+    def post_attention(self, x, mods, q, k, v, mask, window: int | None, backend: str):
+        x = x + self.gate1.modulate(self.attn.attend_out(q, k, v, window, backend, mask), mods[1])
+        return x + self.gate2.modulate(self.mlp(self.adaln2.modulate(x, mods[2])), mods[3])
 
-    def forward(self, x, cond, rope, kv_cache, backend, window_cap, bias: float | tuple = 0.0,
+    def forward(self, x, mods, rope, kv_cache, backend, window_cap, bias: float | tuple = 0.0,
                 decode_from: int | None = None):
+        """``mods``: this block's AdaLN and gate parameters of the conditioning (``Transformer.modulations``)."""
         if kv_cache is not None and kv_cache.borrows(self.attn.layer):
             # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
-            q = self._pre_q(x, cond, *rope)
+            q = self._pre_q(x, mods, *rope)
             k, v, mask = kv_cache.attend_window(self.attn.layer)
             if mask is not None:  # a frame over the ring, under this layer's window
-                return self._post(x, cond, q, k, v, mask, None, "ring")
+                return self._post(x, mods, q, k, v, mask, None, "ring")
         elif kv_cache is not None and kv_cache.on_device:
             # A frame's ring mask carries each row's bias (a tensor: no host value in the call); a
             # history's keys come in time order and take the rule and the bias below.
-            q, k, v = self._pre(x, cond, *rope)
+            q, k, v = self._pre(x, mods, *rope)
             k, v, mask = kv_cache.attend_window(self.attn.layer, k, v)
             if mask is not None:
-                return self._post(x, cond, q, k, v, mask, None, "ring")
+                return self._post(x, mods, q, k, v, mask, None, "ring")
         else:
-            q, k, v = self._pre(x, cond, *rope)
+            q, k, v = self._pre(x, mods, *rope)
             k, v, mask = self.attn.with_cache(k, v, kv_cache)
-        window = self.attn.effective_window(window_cap, cond.shape[1], decode_from)
+        window = self.attn.effective_window(window_cap, mods[0].shape[1], decode_from)
         if bias:  # soft forgetting: an additive mask replaces the boolean rule (zero bias: untouched)
             tpf = self.attn.tpf
             bias = tuple(map(float, bias)) if isinstance(bias, tuple) else float(bias)
             mask = history_bias_mask(q.shape[2] // tpf, k.shape[2] // tpf, tpf, window, bias, q.dtype, str(q.device))
-        return self._post(x, cond, q, k, v, mask, window, backend)
+        return self._post(x, mods, q, k, v, mask, window, backend)
 
     _pre = pre_attention
     _pre_q = pre_attention_q
@@ -206,6 +203,39 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(cfg.n_layers))
         self.backend, self.decode_backend = "sdpa", "sdpa"
         self.decoding = False
+        # Every block's conditioning projections as one weight (fuse_modulations); None: apart.
+        self.register_buffer("modulation_weight", None, persistent=False)
+        self.register_buffer("modulation_bias", None, persistent=False)
+
+    def fuse_modulations(self) -> None:
+        """Store every block's AdaLN and gate projections in one weight and bias, which each
+        projection's parameters then view (a weight load or update writes into it), so that
+        ``modulations`` is one matmul. The same numbers as apart: each output is the same dot
+        product. For inference on the CPU, where a frame's 4-per-block matmuls of one row each
+        cost more in calls than in arithmetic (scripts/bench_frame.py)."""
+        linears = [fc for block in self.blocks for fc in block.modulation_linears()]
+        if self.modulation_weight is not None and all(
+                fc.weight.untyped_storage().data_ptr() == self.modulation_weight.untyped_storage().data_ptr()
+                for fc in linears):
+            return  # fused already (a model another pipeline placed and fused)
+        weight, bias = torch.cat([fc.weight.detach() for fc in linears]), torch.cat([fc.bias.detach() for fc in linears])
+        start = 0
+        for fc in linears:
+            rows = slice(start, start + fc.out_features)
+            fc.weight = nn.Parameter(weight[rows], requires_grad=fc.weight.requires_grad)
+            fc.bias = nn.Parameter(bias[rows], requires_grad=fc.bias.requires_grad)
+            start = rows.stop
+        self.modulation_weight, self.modulation_bias = weight, bias
+
+    def modulations(self, cond) -> list[tuple[torch.Tensor, ...]]:
+        """Each block's (adaln1, gate1, adaln2, gate2) parameters [b, n, *] of ``cond`` [b, n, d]."""
+        cond = F.silu(cond)
+        if self.modulation_weight is None:
+            return [tuple(fc(cond) for fc in block.modulation_linears()) for block in self.blocks]
+        flat = F.linear(cond, self.modulation_weight, self.modulation_bias)
+        sizes = [fc.out_features for block in self.blocks for fc in block.modulation_linears()]
+        parts = flat.split(sizes, dim=-1)
+        return [parts[i:i + 4] for i in range(0, len(parts), 4)]
 
     # The original's call sequence toggles these around prefill/decode. Decoding, a frame read
     # over a cache sees it without the frame mask (global layers: every cached frame; local
@@ -229,17 +259,18 @@ class Transformer(nn.Module):
 
     def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float | tuple = 0.0,
                 decode_from: int | None = None):
+        mods = self.modulations(cond)
         if kv_cache is not None and kv_cache.in_place and cond.shape[1] == 1:
             # A frame over the ring: its mask holds the whole rule (the switch is not read, so a
             # compiled frame call does not depend on it).
-            for block in self.blocks:
-                x = block(x, cond, rope, kv_cache, "ring", window_cap, bias)
+            for block, m in zip(self.blocks, mods):
+                x = block(x, m, rope, kv_cache, "ring", window_cap, bias)
             return x
         backend = self.decode_backend if self.decoding else self.backend
         if decode_from is None and self.decoding and kv_cache is not None:
             decode_from = 0  # a cache-free call keeps the frame mask unless told otherwise
-        for block in self.blocks:
-            x = block(x, cond, rope, kv_cache, backend, window_cap, bias, decode_from)
+        for block, m in zip(self.blocks, mods):
+            x = block(x, m, rope, kv_cache, backend, window_cap, bias, decode_from)
         return x
 
 

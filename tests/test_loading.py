@@ -388,3 +388,31 @@ def test_game_cli_takes_weights_and_refuses_a_set_the_file_lacks(tmp_path):
     r = game(tmp_path / "ema_only.pt", "--weights", "online")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "has no online weights (it has: ema (ema: ema_model.*))" in r.stderr and "It holds entries 'ema'" in r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_modulations_give_the_same_numbers_and_a_weight_load_writes_through(dtype):
+    """Transformer.fuse_modulations (the CPU runner's): every block's conditioning projections as
+    one matmul gives the separate projections' bits, keeps the state dict's names, and a weight
+    load or an in-place update afterwards reaches the fused weight (its parameters view it)."""
+    import copy
+
+    from .conftest import tiny_config
+
+    cfg = tiny_config()
+    apart, other = random_model(cfg, 0).to(dtype), random_model(cfg, 1).to(dtype)
+    fused = copy.deepcopy(apart)
+    fused.core.transformer.fuse_modulations()
+    fused.core.transformer.fuse_modulations()  # fused already: unchanged
+    g = torch.Generator().manual_seed(3)
+    b, n, c, s = 2, 3, cfg.channels, cfg.sample_size
+    inputs = (torch.randn(b, n, c, s, s, generator=g), torch.rand(b, n, generator=g), torch.randn(b, n, 2, generator=g),
+              (torch.rand(b, n, cfg.n_buttons, generator=g) > 0.5).float())
+    with torch.no_grad():
+        assert torch.equal(fused(*inputs), apart(*inputs))
+        assert set(fused.state_dict()) == set(apart.state_dict())
+        fused.load_state_dict(other.state_dict())
+        assert torch.equal(fused(*inputs), other(*inputs))
+        fused.core.transformer.blocks[0].gate1.fc_c.weight.mul_(2)
+        other.core.transformer.blocks[0].gate1.fc_c.weight.mul_(2)
+        assert torch.equal(fused(*inputs), other(*inputs))

@@ -30,6 +30,8 @@ class ModelRunner:
         self.device, self.dtype = torch.device(s.device), s.dtype
         self.model = model.to(self.device, s.dtype).eval()
         self.core = self.model.core
+        if self.device.type == "cpu":  # one matmul for every block's conditioning (Transformer.fuse_modulations)
+            self.core.transformer.fuse_modulations()
         self.core.transformer.set_backends(s.attn_backend, s.attn_backend_decode)
         self.kv_plan = plan_layers(self.cache_cfg, s.kv, self.window) if s.kv_cache != "none" else None
         self.ring_blocker = ring_blocker(self.kv_plan, s.kv.ring_mode)
