@@ -1,10 +1,10 @@
 """Batched steps with the heap the apps keep (inference/heap.py) beside glibc's default heap.
 
-    python -m scripts.bench_heap [--sessions 1 4 8] [--steps 30] [--rounds 2] [--json out.json]
+    python -m scripts.bench_heap [--sessions 1 4 8] [--steps 30] [--rounds 2] [--compile 1|0] [--json out.json]
 
 Each heap and session count runs in a fresh process of its own (the heap's thresholds are the
 process's, and what it allocated before decides when glibc unmaps), the two heaps taking turns
-``--rounds`` times: the shipped world, B sessions in one batched call, compiled whole, bf16, int8 in-place, denoise only. Reported per process: ms per step
+``--rounds`` times: the shipped world, B sessions in one batched call, compiled whole (``--compile 0``: eager), bf16, int8 in-place, denoise only. Reported per process: ms per step
 (median), and the minor page faults a step took (mean): the pages glibc unmapped when a step
 freed its large temporaries and the next step faulted in again.
 """
@@ -26,7 +26,7 @@ from scripts.common import HEAP_KEPT, machine, minor_faults, require_at_least
 GLIBC_DEFAULT = {"GLIBC_TUNABLES": "glibc.malloc.check=0"}
 
 
-def child(sessions: int, steps: int) -> dict:
+def child(sessions: int, steps: int, compile_flag: str) -> dict:
     import torch
 
     from inference.flags import resolve_settings, with_threads
@@ -43,14 +43,14 @@ def child(sessions: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(0)
     history = (torch.randn(window, cfg.channels, cfg.sample_size, cfg.sample_size, generator=g),
                *no_controls(window))
-    flags = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace", "OWL_COMPILE": "1", "OWL_DEVICE": "cpu"}
+    flags = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace", "OWL_COMPILE": compile_flag, "OWL_DEVICE": "cpu"}
     settings = with_threads(resolve_settings(without_kv(world.inference), flags)).replace(dtype=torch.bfloat16)
     batch = Sessions(copy.deepcopy(model), None, world, settings, capacity=sessions, verbose=False)
     pipes = [batch.open(seed=i, clip=None) for i in range(sessions)]
     for pipe in pipes:
         pipe.prefill(*history)
     controls = {pipe: ([1.0, 0.0], [1] + [0] * 10) for pipe in pipes}
-    for _ in range(4):  # compiles
+    for _ in range(4):  # warm-up (compiles)
         batch.step(controls)
     times, faults = [], []
     for _ in range(steps):
@@ -67,13 +67,14 @@ def main(argv=None):
     p.add_argument("--sessions", nargs="+", type=int, default=[1, 4, 8])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--compile", choices=["1", "0"], default="1", help="the frame call compiled whole, or eager")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     require_at_least(*(("--sessions", n, 1) for n in args.sessions), ("--steps", args.steps, 1),
                      ("--rounds", args.rounds, 1))
     if args.child:
-        print(json.dumps(child(args.sessions[0], args.steps)))
+        print(json.dumps(child(args.sessions[0], args.steps, args.compile)))
         return
     command = "python -m scripts.bench_heap " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"command: {command.rstrip()}\nmachine: {machine()}", flush=True)
@@ -82,7 +83,8 @@ def main(argv=None):
     for r in range(args.rounds):
         for n, env in ((n, env) for n in args.sessions for env in ({}, GLIBC_DEFAULT)):
             out = subprocess.run([sys.executable, "-m", "scripts.bench_heap", "--child", "--sessions", str(n),
-                                  "--steps", str(args.steps)], env={**base, **env}, capture_output=True, text=True)
+                                  "--steps", str(args.steps), "--compile", args.compile], env={**base, **env},
+                                 capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"error: the {'glibc default' if env else 'kept'} heap's process failed:\n"
                                  f"{out.stderr[-2000:]}")

@@ -98,7 +98,8 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
 
 
 def test_bench_heap_times_the_kept_heap_beside_glibc_s_default_each_in_its_own_process(tmp_path):
-    out = bench("bench_heap", "--sessions", 1, "--steps", 2, "--rounds", 1, "--json", tmp_path / "heap.json")
+    out = bench("bench_heap", "--sessions", 1, "--steps", 2, "--rounds", 1, "--compile", 0, "--json",
+                tmp_path / "heap.json")
     rows = json.loads((tmp_path / "heap.json").read_text())["rows"]
     glibc = os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc") if hasattr(os, "confstr") else False
     assert [r["heap"] for r in rows] == (["kept", "glibc default"] if glibc else ["glibc default"] * 2)
