@@ -428,8 +428,9 @@ def main(argv=None):
     print(f"command: {command.rstrip()}\ntorch {torch.__version__}; machine: {machine()}; device {args.device}")
     world = load_world(SHIPPED_WORLD)
     model = load_weights(build_model(world.model), read_weights(world.path.parent / "model.safetensors").tensors, "shipped")
-    if any(not 1 <= n <= 64 for n in args.sessions):
-        raise SystemExit(f"error: --sessions {' '.join(map(str, args.sessions))}: each must be in [1, 64]")
+    if any(not 1 <= n <= 64 for n in args.sessions) or len(set(args.sessions)) != len(args.sessions):
+        raise SystemExit(f"error: --sessions {' '.join(map(str, args.sessions))}: each must be in [1, 64], and "
+                         "given once")
     rows, attention, sessions = run_model("shipped world", model, load_decoder(world), world, args, classes)
     if args.prod_layers:
         cfg = ModelConfig.from_mapping({**PRODUCTION, "n_layers": args.prod_layers})
