@@ -411,6 +411,9 @@ def main(argv=None):
                      ("--profile-frames", args.profile_frames, 1), ("--prod-layers", args.prod_layers, 0))
     if args.prod_layers > 16:
         raise SystemExit(f"error: --prod-layers {args.prod_layers}: the production model has 16 layers")
+    if any(not 1 <= n <= 64 for n in args.sessions) or len(set(args.sessions)) != len(args.sessions):
+        raise SystemExit(f"error: --sessions {' '.join(map(str, args.sessions))}: each must be in [1, 64], and "
+                         "given once")
     classes = load_original(args.original) if args.original is not None else None
     import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
@@ -419,19 +422,14 @@ def main(argv=None):
     # Every path of both models in every dtype compiles in this one process: more graphs per
     # function than an app ever makes (it runs one model in one dtype).
     dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 256
-    from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig, load_world
-    from owl_wms.loading import SHIPPED_WORLD, build_model, load_weights, read_weights
+    from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
+    from owl_wms.engine.build import load_parts
     from owl_wms.model import GameRFT
-    from owl_wms.vae import load_decoder
 
     command = "python -m scripts.bench_frame " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"command: {command.rstrip()}\ntorch {torch.__version__}; machine: {machine()}; device {args.device}")
-    world = load_world(SHIPPED_WORLD)
-    model = load_weights(build_model(world.model), read_weights(world.path.parent / "model.safetensors").tensors, "shipped")
-    if any(not 1 <= n <= 64 for n in args.sessions) or len(set(args.sessions)) != len(args.sessions):
-        raise SystemExit(f"error: --sessions {' '.join(map(str, args.sessions))}: each must be in [1, 64], and "
-                         "given once")
-    rows, attention, sessions = run_model("shipped world", model, load_decoder(world), world, args, classes)
+    world, model, decoder, _ = load_parts()  # the shipped world
+    rows, attention, sessions = run_model("shipped world", model, decoder, world, args, classes)
     if args.prod_layers:
         cfg = ModelConfig.from_mapping({**PRODUCTION, "n_layers": args.prod_layers})
         torch.manual_seed(0)

@@ -11,7 +11,6 @@ freed its large temporaries and the next step faulted in again.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -30,22 +29,19 @@ def child(sessions: int, steps: int, compile_flag: str) -> dict:
     import torch
 
     from inference.flags import resolve_settings, with_threads
-    from owl_wms.config import load_world
     from owl_wms.controls import no_controls
+    from owl_wms.engine.build import load_parts
     from owl_wms.engine.sessions import Sessions
-    from owl_wms.loading import SHIPPED_WORLD, build_model, load_weights, read_weights
     from owl_wms.settings import without_kv
 
-    world = load_world(SHIPPED_WORLD)
-    model = load_weights(build_model(world.model), read_weights(world.path.parent / "model.safetensors").tensors,
-                         "shipped")
+    world, model, _, _ = load_parts(decoder=False)  # the shipped world
     cfg, window = model.config, world.pipeline.window_frames
     g = torch.Generator().manual_seed(0)
     history = (torch.randn(window, cfg.channels, cfg.sample_size, cfg.sample_size, generator=g),
                *no_controls(window))
     flags = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace", "OWL_COMPILE": compile_flag, "OWL_DEVICE": "cpu"}
     settings = with_threads(resolve_settings(without_kv(world.inference), flags)).replace(dtype=torch.bfloat16)
-    batch = Sessions(copy.deepcopy(model), None, world, settings, capacity=sessions, verbose=False)
+    batch = Sessions(model, None, world, settings, capacity=sessions, verbose=False)
     pipes = [batch.open(seed=i, clip=None) for i in range(sessions)]
     for pipe in pipes:
         pipe.prefill(*history)
