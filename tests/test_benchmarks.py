@@ -28,12 +28,11 @@ def bench(module: str, *args, cwd=REPO, quiet_seconds: float = 300, env: dict | 
 
 def test_bench_compile_measures_eager_and_compiled_modes():
     out = bench("bench_compile", "--checkpoint", REPO / "checkpoints" / "untrained-tiny", "--frames", 2,
-                "--mode", "bf16 inplace", "--mode", "int8 inplace")
-    for mode in ("bf16 inplace", "int8 inplace"):
-        row = re.search(rf"^{mode} +({NUMBER}) +({NUMBER}) +{NUMBER} / {NUMBER} +(\d+) / (\d+) +{NUMBER}$", out, re.M)
-        assert row, out
-        assert float(row[1]) > 0 and float(row[2]) > 0
-    assert "bf16 roll" not in out  # only the modes asked for
+                "--mode", "int8 inplace")
+    row = re.search(rf"^int8 inplace +({NUMBER}) +({NUMBER}) +{NUMBER} / {NUMBER} +(\d+) / (\d+) +{NUMBER}$", out, re.M)
+    assert row, out
+    assert float(row[1]) > 0 and float(row[2]) > 0
+    assert "bf16 roll" not in out and "bf16 inplace" not in out  # only the mode asked for
 
 
 def test_bench_tp_times_tp1_and_tp2_and_compares_their_frames(tmp_path):
@@ -123,7 +122,7 @@ def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path
     subprocess.run(make_checkpoint, cwd=REPO, check=True, capture_output=True, timeout=time_limit(120))
     seconds = time_limit(250)
     bench("bench_startup", "--checkpoint", tmp_path / "tiny2", "--seconds", round(seconds), "--threads", 1,
-          "--max-fps", 30, "--json", tmp_path / "startup.json", env={"OWL_RING_MODE": "inplace"},
+          "--max-fps", 10, "--json", tmp_path / "startup.json", env={"OWL_RING_MODE": "inplace"},
           quiet_seconds=2.2 * seconds)
     rows = json.loads((tmp_path / "startup.json").read_text())["rows"]
     assert [r["start"] for r in rows] == ["cold compile cache", "warm compile cache"]

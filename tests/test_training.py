@@ -91,12 +91,13 @@ def test_a_signal_stops_training_at_a_step_that_the_next_run_resumes_exactly(cha
             return real(*a, **k)
 
         monkeypatch.setattr(module, step_fn, signalled)
+        handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
         with pytest.raises(SystemExit) as stopped:
             module.main(args(tmp_path / f"{module.__name__}_pieces"))
         monkeypatch.undo()
         assert stopped.value.code == STOPPED
         assert "stopped at step 3 of 6" in capsys.readouterr().out
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+        assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # given back
         module.main(args(tmp_path / f"{module.__name__}_pieces"))
         assert "resumed at step 3" in capsys.readouterr().out
         whole, pieces = ((tmp_path / f"{module.__name__}_{k}" / weights).read_bytes() for k in ("whole", "pieces"))
