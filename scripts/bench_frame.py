@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from .common import HEAP_KEPT, machine, minor_faults, require_at_least, synchronizer
+from .common import HEAP_KEPT, machine, minor_faults, require_at_least, shell_threads, synchronizer
 
 # (path, OWL_* flags); the first is the eager path, the third the default (the model compiled whole)
 INT8 = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}
@@ -68,7 +68,8 @@ class Ours:
         from inference.flags import resolve_settings, with_threads
         from owl_wms.settings import without_kv
 
-        settings = with_threads(resolve_settings(without_kv(world.inference), {**flags, "OWL_DEVICE": device}))
+        settings = with_threads(resolve_settings(without_kv(world.inference),
+                                                 shell_threads({**flags, "OWL_DEVICE": device})))
         self.name, self.dtype = name, dtype
         self.pipe = CausvidPipeline(copy.deepcopy(model), copy.deepcopy(decoder), world,
                                     settings.replace(dtype=dtype), verbose=False)
@@ -340,7 +341,8 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
 
     if not args.sessions:
         return []
-    settings = with_threads(resolve_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device}))
+    settings = with_threads(resolve_settings(without_kv(world.inference),
+                                             shell_threads({**OURS[2][1], "OWL_DEVICE": args.device})))
     dtype = DTYPES[args.dtype[0]]
     sync, batches = synchronizer(args.device), {}
     for n in args.sessions:
@@ -426,6 +428,9 @@ def main(argv=None):
     from owl_wms.engine.build import load_parts
     from owl_wms.model import GameRFT
 
+    from inference.flags import resolve_settings, with_threads
+
+    with_threads(resolve_settings({}))  # the thread count every path runs at, so the header names it
     command = "python -m scripts.bench_frame " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"command: {command.rstrip()}\ntorch {torch.__version__}; machine: {machine()}; device {args.device}")
     world, model, decoder, _ = load_parts()  # the shipped world
