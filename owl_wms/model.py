@@ -206,6 +206,7 @@ class Transformer(nn.Module):
         # Every block's conditioning projections as one weight (fuse_modulations); None: apart.
         self.register_buffer("modulation_weight", None, persistent=False)
         self.register_buffer("modulation_bias", None, persistent=False)
+        self.modulation_sizes: tuple[int, ...] = ()  # each projection's share of the fused output
 
     def fuse_modulations(self) -> None:
         """Store every block's AdaLN and gate projections in one weight and bias, which each
@@ -226,15 +227,14 @@ class Transformer(nn.Module):
             fc.bias = nn.Parameter(bias[rows], requires_grad=fc.bias.requires_grad)
             start = rows.stop
         self.modulation_weight, self.modulation_bias = weight, bias
+        self.modulation_sizes = tuple(fc.out_features for fc in linears)
 
     def modulations(self, cond) -> list[tuple[torch.Tensor, ...]]:
         """Each block's (adaln1, gate1, adaln2, gate2) parameters [b, n, *] of ``cond`` [b, n, d]."""
         cond = F.silu(cond)
         if self.modulation_weight is None:
             return [tuple(fc(cond) for fc in block.modulation_linears()) for block in self.blocks]
-        flat = F.linear(cond, self.modulation_weight, self.modulation_bias)
-        sizes = [fc.out_features for block in self.blocks for fc in block.modulation_linears()]
-        parts = flat.split(sizes, dim=-1)
+        parts = F.linear(cond, self.modulation_weight, self.modulation_bias).split(self.modulation_sizes, dim=-1)
         return [parts[i:i + 4] for i in range(0, len(parts), 4)]
 
     # The original's call sequence toggles these around prefill/decode. Decoding, a frame read
