@@ -3,6 +3,7 @@
     python -m inference.serve                        # then open the printed URL
     python -m inference.serve --host 0.0.0.0 --port 8000 --max-sessions 4
     torchrun --nproc-per-node 2 -m inference.serve --pp 2   # rank 0 serves and decodes, rank 1 generates
+    torchrun --nproc-per-node 3 -m inference.serve --pp 2 --tp 2   # ranks 1 and 2 split the heads
 
 The page, the protocol, admission and scaling out behind nginx: docs/serve.md.
 """
@@ -34,12 +35,18 @@ from owl_wms.config import ConfigError  # noqa: E402
 from owl_wms.engine.sessions import Sessions, batch_rows  # noqa: E402
 from owl_wms.loading import CheckpointError  # noqa: E402
 from owl_wms.maze.worlds import check_simulator  # noqa: E402
-from owl_wms.parallel import ParallelContext, TPError, is_collective_error  # noqa: E402
+from owl_wms.parallel import ParallelContext, TPError, check_heads, is_collective_error  # noqa: E402
 from owl_wms.settings import SettingsError  # noqa: E402
 
 from .flags import flag_message, warnings_as_lines  # noqa: E402
 from .signals import end_startup  # noqa: E402
-from .game_cv import add_world_arguments, compile_in_background, keep_graphs_between_starts, run_settings  # noqa: E402
+from .game_cv import (  # noqa: E402
+    add_world_arguments,
+    compile_in_background,
+    keep_graphs_between_starts,
+    processes,
+    run_settings,
+)
 from .video import OutputPathError  # noqa: E402
 from .web.app import Limits, create_app  # noqa: E402
 from .web.protocol import MAX_LEVEL, MAX_MESSAGE_BYTES, MAX_SEED  # noqa: E402
@@ -74,7 +81,15 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1, choices=(1, 2),
                    help="2: two pipeline stages, rank 0 serving the pages and decoding while rank 1 makes every "
                         "step's frames (launch with torchrun --nproc-per-node 2)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="with --pp 2: ranks 1..N make the frames, each holding 1/N of the heads (launch with "
+                        "torchrun --nproc-per-node N+1)")
     args = p.parse_args(argv)
+    if not 1 <= args.tp <= 64:
+        p.error(f"--tp {args.tp}: must be a whole number in [1, 64]")
+    if args.tp > 1 and args.pp != 2:
+        p.error(f"--tp {args.tp} splits the heads of the generating stage: add --pp 2 and launch "
+                f"'torchrun --nproc-per-node {args.tp + 1} -m inference.serve --pp 2 --tp {args.tp}'")
     if args.pp == 2 and args.one_by_one:
         p.error("--one-by-one steps each session in this process; with --pp 2 rank 1 makes every step in one batched "
                 "call: drop one of them")
@@ -87,7 +102,6 @@ def parse_args(argv=None):
                         ("--max-fps", args.max_fps)):
         if value is not None and not 0 < value <= 100_000:
             p.error(f"{flag} {value}: must be a positive number")
-    args.tp = 1  # no tensor parallelism here (game_cv.run_settings)
     return args
 
 
@@ -128,10 +142,13 @@ def main(argv=None) -> int:
         # seconds-long stalls beside the players' own clients.
         world, settings, _ = run_settings(args)
         if args.pp == 2:
-            ctx = ParallelContext.launch(2, settings.device, settings.tp_timeout_s, settings.tp_check_every,
-                                         flag="--pp 2", app="inference.serve")
+            ctx = ParallelContext.launch(processes(args), settings.device, settings.tp_timeout_s,
+                                         settings.tp_check_every, settings.tp_reduce,
+                                         flag="--pp 2" + (f" --tp {args.tp}" if args.tp > 1 else ""), app="inference.serve")
+            check_heads(world.model, args.tp)  # on every rank: rank 0 would not hear of a refusal inside the mesh
+            mesh = ctx.split(1) if args.tp > 1 else None  # the generating ranks' own group (None on rank 0)
             if not ctx.is_leader:
-                return generate(args, world, settings, ctx)
+                return generate(args, world, settings, ctx, mesh)
         sock = listen(args.host, args.port)
         check_simulator(world)
         options = ServeOptions(max_sessions=args.max_sessions, session_limit=args.max_sessions or args.session_limit,
@@ -204,11 +221,12 @@ def serve_rows(limit: int, batched: bool = True) -> list[int]:
     return sorted({batch_rows(n) for n in range(1, limit + 1)}) if batched else [1]
 
 
-def generate(args, world, settings, ctx: ParallelContext) -> int:
-    """Rank 1 of ``--pp 2``: every session's cache and every step's frames, until rank 0 stops."""
+def generate(args, world, settings, ctx: ParallelContext, mesh: ParallelContext | None) -> int:
+    """A generating rank of ``--pp 2`` (``mesh``: its place among them, with ``--tp``): every
+    session's cache (its heads) and every step's frames, until rank 0 stops."""
     limit = args.max_sessions or args.session_limit
     sessions = Sessions.from_checkpoint(world, args.ckpt, settings=settings, capacity=limit, weights=args.weights,
-                                        pp=ctx, verbose=False)
+                                        pp=ctx, tp=mesh, verbose=False)
     compile_in_background(sessions.runner, settings, None, serve_rows(limit))
     end_startup()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it stops the server, then this rank

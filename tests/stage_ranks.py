@@ -195,26 +195,38 @@ def sessions_alone(checkpoint) -> dict:
     return sessions_script(sessions)[0]
 
 
-def sessions_rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue) -> None:
-    """Two stages of several sessions (``inference.serve --pp 2``): rank 0 runs ``sessions_script``."""
+def sessions_rank_main(rank: int, port: int, checkpoint: str, scenario: str, queue, world: int = 2) -> None:
+    """Two stages of several sessions (``inference.serve --pp 2``): rank 0 runs ``sessions_script``;
+    ``world`` 3: ranks 1 and 2 split the heads (``--pp 2 --tp 2``)."""
 
     def body(ctx):
         from owl_wms.engine.sessions import Sessions
 
+        mesh = ctx.split(1) if world > 2 else None
         sessions = Sessions.from_checkpoint(checkpoint, settings=settings(kv_recompute_every=3), capacity=2,
-                                            verbose=False, pp=ctx)
-        if rank == 1:
-            if scenario == "sessions_extra_call":
-                run = sessions.run
-
+                                            verbose=False, pp=ctx, tp=mesh)
+        if rank > 0:
+            run = sessions.run
+            if scenario == "sessions_extra_call" and rank == 1:
                 def one_more(plans):
                     latents, calls = run(plans)
                     return latents, {p: c + (sessions.runner.calls > 12) for p, c in calls.items()}
 
                 sessions.run = one_more  # a step reports a model call more than its plans have
+            if scenario == "sessions_reset_follower" and rank == 2:
+                steps = []
+
+                def reset_after_three(plans):
+                    out = run(plans)
+                    steps.append(1)
+                    if len(steps) == 3:
+                        next(iter(plans)).cache.reset()  # one session's row restarts on this rank only
+                    return out
+
+                sessions.run = reset_after_three
             return sessions.follow()
         made, _ = sessions_script(sessions)
         sessions.shut_down()
         return {key: latent.numpy() for key, latent in made.items()}  # tensors would share memory across the queue
 
-    run_rank(rank, 2, port, queue, body)
+    run_rank(rank, world, port, queue, body)

@@ -293,6 +293,33 @@ def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):
         assert worst <= FRAME_TOLERANCE, (i, worst)
 
 
+def test_a_generating_stage_that_splits_the_heads_serves_each_player_the_frames_of_its_run_alone(tmp_path):
+    """``--pp 2 --tp 2``: ranks 1 and 2 each hold half the heads of every batched step; a player
+    restarts, and the server stops cleanly."""
+    with Server("--pp", 2, "--tp", 2, "--max-sessions", 2, "--save-actions", tmp_path / "actions", env=FP32,
+                launch=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3")) as server:
+        players = [Player(server.ws_url, seed=50 + i, format="png") for i in range(2)]
+        for f in range(8):
+            for i, p in enumerate(players):
+                p.controls(mouse=(1.0 - 2.0 * i, 0.5), buttons=(1,) + (0,) * 10)
+                if i == 1 and f == 3:
+                    p.send({"type": "event", "name": "restart"})
+            for p in players:
+                p.next_frame()
+        for p in players:
+            p.close()
+        server.stop()
+    assert "ranks 1-2 (tensor parallel: each holds" in server.output, server.output
+    assert not our_traceback(server.output) and "error:" not in server.output, server.output
+    for i, p in enumerate(players):
+        actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
+        made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
+        assert made >= len(p.frames) >= 6 and len({f[2] for f in p.frames}) == 1 + i  # the restart: a new epoch
+        want = alone(tmp_path, 50 + i, str(actions), made, f"p{i}")
+        worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
+        assert worst <= FRAME_TOLERANCE, (i, worst)
+
+
 def our_traceback(output: str) -> list[str]:
     """The lines of ``output`` that are frames of a traceback in this project's code (torchrun's own
     report of a signal or a failed rank is its business; a virtual environment inside the checkout
@@ -349,7 +376,11 @@ def test_the_servers_flags_are_checked_with_the_fix(tmp_path):
     for argv, text in ((["--max-sessions", "0"], "--max-sessions 0"), (["--target-fps", "-1"], "--target-fps"),
                        (["--port", "70000"], "--port 70000"), (["--pp", "3"], "--pp: invalid choice"),
                        (["--pp", "2", "--one-by-one"], "with --pp 2 rank 1 makes every step in one batched call"),
-                       (["--pp", "2", "--port", "0"], "'torchrun --nproc-per-node 2 -m inference.serve --pp 2 ...'")):
+                       (["--pp", "2", "--port", "0"], "'torchrun --nproc-per-node 2 -m inference.serve --pp 2 ...'"),
+                       (["--tp", "2"], "--tp 2 splits the heads of the generating stage: add --pp 2"),
+                       (["--pp", "2", "--tp", "0"], "--tp 0: must be a whole number in [1, 64]"),
+                       (["--pp", "2", "--tp", "2", "--port", "0"],
+                        "'torchrun --nproc-per-node 3 -m inference.serve --pp 2 --tp 2 ...'")):
         r = run_main("inference.serve", argv)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -28,8 +28,8 @@ def run_ranks(scenario: str, limit_s: float = 30, world: int = 2) -> dict:
     ctx = multiprocessing.get_context("spawn")
     reports = ctx.Queue()
     port = free_port()
-    target, extra = (sessions_rank_main, ()) if scenario.startswith("sessions") else (rank_main, (world,))
-    procs = [ctx.Process(target=target, args=(r, port, TINY, scenario, reports, *extra)) for r in range(world)]
+    target = sessions_rank_main if scenario.startswith("sessions") else rank_main
+    procs = [ctx.Process(target=target, args=(r, port, TINY, scenario, reports, world)) for r in range(world)]
     start = time.monotonic()
     for p in procs:
         p.start()
@@ -105,6 +105,25 @@ def test_two_stages_of_several_sessions_make_the_latents_of_one_process_bit_for_
     for key in want:
         assert np.array_equal(got[key], want[key].numpy()), f"session {key[0]} step {key[1]} differs"
     assert out[1][2] == len(want)  # frames the mesh made
+
+
+def test_a_tensor_parallel_mesh_of_several_sessions_makes_the_latents_of_one_process_bit_for_bit():
+    """``inference.serve --pp 2 --tp 2``: ranks 1 and 2 split the heads of every batched step."""
+    want = sessions_alone(TINY)
+    out = run_ranks("sessions", limit_s=60, world=3)
+    assert all(out[r][0] == "ok" for r in range(3)), out
+    got = out[0][2]
+    assert set(got) == set(want)
+    for key in want:
+        assert np.array_equal(got[key], want[key].numpy()), f"session {key[0]} step {key[1]} differs"
+    assert out[1][2] == out[2][2] == len(want)  # both mesh ranks made every frame
+
+
+def test_a_session_row_reset_on_one_mesh_rank_trips_the_state_digest_on_every_rank():
+    out = run_ranks("sessions_reset_follower", limit_s=60, world=3)
+    for rank in (1, 2):
+        assert out[rank][0] == "error" and "state digest: rank 2's cache holds" in out[rank][1], out
+    assert out[0][0] == "error" and "rank 1 stopped" in out[0][1] and "state digest" in out[0][1], out
 
 
 def test_a_sessions_call_count_mismatch_ends_both_ranks_with_the_cause():
@@ -204,7 +223,9 @@ def test_the_sessions_mesh_refuses_a_bad_row_or_version_before_anything_runs():
     mesh.pipe_at = lambda row: SessionsMesh.pipe_at(mesh, row)
     for row in (2, -1, None, "0"):
         with pytest.raises(StageError, match=r"envelope for session row .*; this mesh has rows 0..1"):
-            SessionsMesh.session_step(mesh, Envelope(plan=None, session=row))
+            SessionsMesh.plans_of(mesh, Envelope(plan=None, session=row))
+        with pytest.raises(StageError, match=r"envelope for session row .*; this mesh has rows 0..1"):
+            SessionsMesh.plans_of(mesh, StepEnvelope({row: None}))
     with pytest.raises(StageError, match="step envelope version 2; this build speaks 1"):
-        SessionsMesh.step(mesh, StepEnvelope({}, version=2))
+        SessionsMesh.plans_of(mesh, StepEnvelope({}, version=2))
     assert mesh.pipes == {}  # no session was opened

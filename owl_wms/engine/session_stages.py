@@ -11,14 +11,19 @@ row and makes each step's frames in one batched call.
 Each session keeps the lifecycle contract of stages.py: rank 0 checks each plan before anything
 goes out; the mesh checks it against that row's own lifecycle before anything runs; each row's
 model calls and cache offsets come back and are checked against rank 0's count; the periodic
-all-gather compares a session's lifecycle scalars at the same steps on both ranks. A session
+all-gather compares a session's lifecycle scalars at the same steps on every rank. A session
 opens on the mesh with its first plan and closes with its stop.
+
+With tensor parallelism inside the mesh (``--pp 2 --tp N``: ranks 1..N split the heads), rank 1
+leads it: it checks each message from rank 0 before anything goes to the others, then hands it
+on; every mesh rank checks it against its own rows and they vote, with every row's cache offsets,
+before any collective of the model; they run it in lockstep and rank 1 answers rank 0.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel import ParallelContext
+from ..parallel import ParallelContext, TPError
 from .lifecycle import LifecycleError, StepPlan
 from .stages import (
     ENVELOPE_TAG,
@@ -70,7 +75,10 @@ class SessionsFirstStage:
         self.link = StageLink(ctx, MESH, slot_bytes(sessions.world.model), depth=2)
 
     def describe(self) -> str:
-        return (f"[owl] two stages: rank 0 plans every session's steps and decodes, rank 1 makes each step's "
+        mesh, heads = self.ctx.world - 1, self.sessions.world.model.n_heads
+        makers = "rank 1 makes" if mesh == 1 else (f"ranks 1-{mesh} (tensor parallel: each holds {heads // mesh} of "
+                                                   f"{heads} heads) make")
+        return (f"[owl] two stages: rank 0 plans every session's steps and decodes, {makers} each step's "
                 f"frames in one batched call; lifecycle check every {self.ctx.check_every} steps")
 
     def attach(self, pipe, row: int) -> FirstStage:
@@ -102,12 +110,19 @@ class SessionsFirstStage:
 
 
 class SessionsMesh:
-    """The mesh's side: every session's row, its single steps and the batched ones."""
+    """The mesh's side: every session's row, its single steps and the batched ones; with ``tp``
+    (this rank's place in a mesh that splits the heads) its leader hands each checked message on
+    and the mesh's ranks vote before they run it together."""
 
-    def __init__(self, sessions, ctx: ParallelContext):
-        self.sessions, self.ctx = sessions, ctx
-        self.link = StageLink(ctx, 0, slot_bytes(sessions.world.model), depth=4)
+    def __init__(self, sessions, ctx: ParallelContext, tp: ParallelContext | None = None):
+        self.sessions, self.ctx, self.tp = sessions, ctx, tp
+        slot = slot_bytes(sessions.world.model)
+        self.leads = tp is None or tp.is_leader  # the rank that hears from rank 0 and answers it
+        self.link = StageLink(ctx, 0 if self.leads else MESH, slot, depth=4)
+        self.others = [StageLink(ctx, tp.job_rank(r), slot, depth=4) for r in range(1, tp.world)] \
+            if tp is not None and self.leads else []  # the leader's links to the mesh's other ranks
         self.pipes: dict = {}  # row -> this rank's pipeline of the session in it
+        self.step_error: str | None = None  # a mesh rank's failed step, voted on with the next message
 
     def describe(self) -> str:
         return f"[owl] two stages: rank {self.ctx.rank} makes every session's frames for rank 0"
@@ -117,16 +132,21 @@ class SessionsMesh:
         made = 0
         while True:
             message = self.link.receive(ENVELOPE_TAG, patient=True)
-            if isinstance(message, Shutdown):
-                self.link.flush()
-                return made
             try:
-                answer, done = self.step(message) if isinstance(message, StepEnvelope) else self.session_step(message)
-            except (LifecycleError, StageError, ValueError) as exc:
-                text = f"rank {self.ctx.rank}: {exc}"
-                self.link.send_failure(-1, text)
+                plans = self.agree(message)
+                if isinstance(message, Shutdown):
+                    for link in (self.link, *self.others):
+                        link.flush()
+                    return made
+                answer, done = self.run(message, plans)
+            except (LifecycleError, TPError, ValueError) as exc:
+                # a vote of the mesh names its ranks already
+                text = str(exc) if type(exc) is TPError else f"rank {self.ctx.rank}: {exc}"
+                if self.leads:
+                    self.link.send_failure(-1, text)
                 raise StageError(text) from None
-            self.link.send(answer, RESULT_TAG)
+            if self.leads:
+                self.link.send(answer, RESULT_TAG)
             for row, plan in done:  # as rank 0 accepts them, in row order
                 made += plan.generates
                 pipe = self.pipes[row]
@@ -134,6 +154,48 @@ class SessionsMesh:
                     compare_scalars(self.ctx, pipe.lifecycle.scalars())
                 if plan.event == "stop":
                     self.sessions.close(self.pipes.pop(row))
+
+    def agree(self, message) -> dict:
+        """``message``'s plans {row: plan}, checked here; in a split mesh the leader checks them
+        before handing the message on, and the mesh's ranks vote before anything runs."""
+        if self.tp is None:
+            return {} if isinstance(message, Shutdown) else self.plans_of(message)
+        error, plans = self.step_error, {}
+        self.step_error = None
+        if self.leads:
+            if not isinstance(message, Shutdown):
+                plans = self.plans_of(message)  # a refusal goes to rank 0; the others hear of it from the store
+            for link in self.others:
+                link.send(message, ENVELOPE_TAG)
+        elif error is None and not isinstance(message, Shutdown):
+            try:
+                plans = self.plans_of(message)
+            except (LifecycleError, StageError, ValueError) as exc:
+                error = f"rejected the message: {exc}"
+        self.tp.vote(error, self.offsets())
+        return plans
+
+    def offsets(self) -> list[int]:
+        """Every row's cache offsets (-1 for a free row): the state digest a split mesh votes with."""
+        layers = self.sessions.world.model.n_layers
+        return [o for row in range(self.sessions.capacity)
+                for o in (offsets_of(self.pipes[row]) if row in self.pipes else [-1] * layers)]
+
+    def plans_of(self, message) -> dict:
+        """{row: plan} of a step (each plan checked against its row first) or of one session's cut,
+        observed frame or stop."""
+        if isinstance(message, StepEnvelope):
+            if message.version != STAGE_VERSION or not isinstance(message.plans, dict):
+                raise StageError(f"step envelope version {message.version!r}; this build speaks {STAGE_VERSION}")
+            plans = {}
+            for row in sorted(message.plans):
+                plan = check_envelope(Envelope(message.plans[row], row), self.pipe_at(row).lifecycle)
+                if not plan.generates:
+                    raise StageError(f"a step's {plan.event} plan for row {row} makes no frame")
+                plans[row] = plan
+            return plans
+        row = getattr(message, "session", None)
+        return {row: check_envelope(message, self.pipe_at(row).lifecycle)}
 
     def pipe_at(self, row) -> object:
         """The session in ``row`` (opened by its first plan)."""
@@ -143,31 +205,33 @@ class SessionsMesh:
             self.pipes[row] = self.sessions.open(clip=None, row=row)
         return self.pipes[row]
 
-    def session_step(self, envelope) -> tuple[Result, list]:
+    def run(self, message, plans: dict) -> tuple:
+        """Run checked plans: (the answer for rank 0, [(row, plan)] in row order). A step of several
+        sessions is one batched call; a split mesh's other ranks keep a failure for the next vote."""
+        try:
+            return self.step(plans) if isinstance(message, StepEnvelope) else self.session_step(*plans.items())
+        except LifecycleError as exc:
+            if self.leads:
+                raise
+            self.step_error = str(exc)
+            return None, list(plans.items())
+
+    def session_step(self, item: tuple) -> tuple[Result, list]:
         """A single session's step (its cut, an observed frame, its stop)."""
-        pipe = self.pipe_at(getattr(envelope, "session", None))
-        plan = check_envelope(envelope, pipe.lifecycle)
+        row, plan = item
+        pipe = self.pipes[row]
         if plan.event == "stop":
             pipe.lifecycle.finish(plan, 0)
-            return Result(plan.call_id, plan.epoch, 0, None, offsets_of(pipe)), [(envelope.session, plan)]
+            return Result(plan.call_id, plan.epoch, 0, None, offsets_of(pipe)), [item]
         before = self.sessions.runner.calls
         latent = pipe.execute(plan)
-        return (Result(plan.call_id, plan.epoch, self.sessions.runner.calls - before, latent, offsets_of(pipe)),
-                [(envelope.session, plan)])
+        return Result(plan.call_id, plan.epoch, self.sessions.runner.calls - before, latent, offsets_of(pipe)), [item]
 
-    def step(self, message: StepEnvelope) -> tuple[StepResult, list]:
-        """A step of several sessions, each plan checked against its row first; one batched call."""
-        if message.version != STAGE_VERSION or not isinstance(message.plans, dict):
-            raise StageError(f"step envelope version {message.version!r}; this build speaks {STAGE_VERSION}")
-        plans, rows = {}, {}
-        for row in sorted(message.plans):
-            pipe = self.pipe_at(row)
-            plan = check_envelope(Envelope(message.plans[row], row), pipe.lifecycle)
-            if not plan.generates:
-                raise StageError(f"a step's {plan.event} plan for row {row} makes no frame")
-            plans[pipe], rows[pipe] = plan, row
-        latents, calls = self.sessions.run(plans)
+    def step(self, plans: dict) -> tuple[StepResult, list]:
+        """A step of several sessions: one batched call."""
+        by_pipe = {self.pipes[row]: plan for row, plan in plans.items()}
+        latents, calls = self.sessions.run(by_pipe)
         # clone: a row of the batch's output would pickle the whole batch with it
-        results = {rows[p]: Result(plan.call_id, plan.epoch, calls[p], latents[p].clone(), offsets_of(p))
-                   for p, plan in plans.items()}
-        return StepResult(results), [(rows[p], plan) for p, plan in plans.items()]
+        results = {row: Result(plan.call_id, plan.epoch, calls[self.pipes[row]], latents[self.pipes[row]].clone(),
+                               offsets_of(self.pipes[row])) for row, plan in plans.items()}
+        return StepResult(results), list(plans.items())

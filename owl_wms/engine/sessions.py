@@ -29,15 +29,19 @@ def batch_rows(n: int) -> int:
 
 class Sessions:
     def __init__(self, model, decoder, world, settings: Settings | None = None, capacity: int = 8,
-                 verbose: bool = True, weights: str | None = None, pp: ParallelContext | None = None):
+                 verbose: bool = True, weights: str | None = None, pp: ParallelContext | None = None,
+                 tp: ParallelContext | None = None):
         """``pp``: this rank's place in two stages (rank 0 plans and decodes every session's
-        frames, rank 1 makes them: session_stages.py)."""
+        frames, the mesh makes them: session_stages.py); ``tp``: a mesh rank's place among the
+        generating ranks, which split the heads."""
         if not 1 <= capacity <= 1024:
             raise ValueError(f"sessions capacity {capacity} must be a whole number in [1, 1024]")
         self.settings = settings or Settings.from_config(world.inference)
-        if pp is not None:  # both stages must have been started alike, with the same weights
+        if pp is not None:  # every rank must have been started alike, with the same (unsharded) weights
             pp.agree(digest(self.settings, world, fingerprint(model)))
-        self.runner = ModelRunner(model, decoder, world, self.settings)
+        if tp is not None:
+            tp.shard(model)
+        self.runner = ModelRunner(model, decoder, world, self.settings, tp.local_config(world.model) if tp else None, tp)
         if not self.runner.uses_ring:
             raise ValueError(f"several sessions in one call need the in-place ring cache (OWL_RING_MODE=inplace); "
                              f"these settings can't use it: {self.runner.ring_blocker}")
@@ -45,8 +49,8 @@ class Sessions:
             raise ValueError("the ring guard (OWL_RING_GUARD) checks one session's cache; run it without --sessions")
         self.world, self.model, self.decoder, self.weights = world, model, decoder, weights
         self.window, self.alpha, self.schedule = world.pipeline.window_frames, world.pipeline.history_alpha, world.pipeline.schedule
-        self.tp = None  # sessions run in one process, or beside one generating rank
-        self.stages = None if pp is None else SessionsFirstStage(self, pp) if pp.is_leader else SessionsMesh(self, pp)
+        self.tp = None  # rank 0 never splits the heads; a mesh that does votes in its stage (SessionsMesh)
+        self.stages = None if pp is None else SessionsFirstStage(self, pp) if pp.is_leader else SessionsMesh(self, pp, tp)
         self.capacity = capacity
         self.ring = self.runner.new_cache(rows=batch_rows(capacity))
         self.rows: dict[CausvidPipeline, int] = {}  # open sessions -> their ring row
@@ -56,9 +60,10 @@ class Sessions:
 
     @classmethod
     def from_checkpoint(cls, checkpoint=None, ckpt_path=None, settings: Settings | None = None, capacity: int = 8,
-                        verbose: bool = True, weights: str | None = None, pp: ParallelContext | None = None) -> "Sessions":
+                        verbose: bool = True, weights: str | None = None, pp: ParallelContext | None = None,
+                        tp: ParallelContext | None = None) -> "Sessions":
         world, model, decoder, described = load_parts(checkpoint, ckpt_path, weights, pp is None or pp.is_leader)
-        return cls(model, decoder, world, settings, capacity, verbose, described, pp)
+        return cls(model, decoder, world, settings, capacity, verbose, described, pp, tp)
 
     def open(self, seed: int | None = None, clip=0, ground_truth: bool = False, row: int | None = None) -> CausvidPipeline:
         """A new session in the lowest free row (or ``row``), its history from ``clip`` (None: load
