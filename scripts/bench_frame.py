@@ -4,12 +4,13 @@ default), and batched sessions.
 
     python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--sessions 1 2 4 8] [--original PATH] [--json out.json]
 
-Per model (the shipped world; a production-shaped GameRFT, d_model 1536, 24 heads, 64 tokens a
-frame, a 60-frame window, random weights, ``--prod-layers`` of its 16 layers), each path is
-prefilled with the same history and then makes the same frames, the paths taking turns frame by
-frame so drift in the machine's speed touches every ratio alike. Reported per path:
+Per model (the shipped world or ``--checkpoint``'s; a production-shaped GameRFT, d_model 1536,
+24 heads, 64 tokens a frame, a 60-frame window, random weights, ``--prod-layers`` of its 16
+layers), each path is prefilled with the same history and then makes the same frames, the
+paths taking turns frame by frame so drift in the machine's speed touches every ratio alike.
+Reported per path:
 
-- ms for a frame's two model calls (median), and end to end with the decoder (shipped world);
+- ms for a frame's two model calls (median), and end to end with the decoder (a world's);
   beside the original's own loop (``--original``), this repo's eager path with the original's
   cache layout (bf16 roll) stands for it where no checkout is at hand (a GPU machine);
 - the share of Python and launch overhead: 1 - (time inside ATen ops and compiled kernels) /
@@ -407,6 +408,7 @@ def main(argv=None):
     p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES),
                    help="dtypes to run every path in (the first is the reference's)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--checkpoint", type=Path, default=None, help="a world's checkpoint folder (default: the shipped world)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     require_at_least(("--frames", args.frames, 1), ("--warmup", args.warmup, 1),
@@ -424,8 +426,9 @@ def main(argv=None):
     # Every path of both models in every dtype compiles in this one process: more graphs per
     # function than an app ever makes (it runs one model in one dtype).
     dynamo.recompile_limit = dynamo.accumulated_recompile_limit = 256
-    from owl_wms.config import PRODUCTION, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
+    from owl_wms.config import PRODUCTION, ConfigError, DecoderConfig, ModelConfig, PipelineConfig, WorldConfig
     from owl_wms.engine.build import load_parts
+    from owl_wms.loading import CheckpointError
     from owl_wms.model import GameRFT
 
     from inference.flags import resolve_settings, with_threads
@@ -433,8 +436,12 @@ def main(argv=None):
     with_threads(resolve_settings({}))  # the thread count every path runs at, so the header names it
     command = "python -m scripts.bench_frame " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"command: {command.rstrip()}\ntorch {torch.__version__}; machine: {machine()}; device {args.device}")
-    world, model, decoder, _ = load_parts()  # the shipped world
-    rows, attention, sessions = run_model("shipped world", model, decoder, world, args, classes)
+    try:
+        world, model, decoder, _ = load_parts(args.checkpoint)  # default: the shipped world
+    except (ConfigError, CheckpointError, OSError) as exc:
+        raise SystemExit(f"error: --checkpoint {args.checkpoint}: {exc}") from None
+    label = "shipped world" if args.checkpoint is None else f"world {world.name} ({args.checkpoint})"
+    rows, attention, sessions = run_model(label, model, decoder, world, args, classes)
     if args.prod_layers:
         cfg = ModelConfig.from_mapping({**PRODUCTION, "n_layers": args.prod_layers})
         torch.manual_seed(0)

@@ -26,8 +26,8 @@ def bench(module: str, *args, cwd=REPO, quiet_seconds: float = 300, env: dict | 
     return r.stdout
 
 
-def test_bench_compile_measures_eager_and_compiled_modes():
-    out = bench("bench_compile", "--checkpoint", REPO / "checkpoints" / "untrained-tiny", "--frames", 2,
+def test_bench_compile_measures_eager_and_compiled_modes(tiny2):
+    out = bench("bench_compile", "--checkpoint", tiny2, "--frames", 2,
                 "--mode", "int8 inplace")
     row = re.search(rf"^int8 inplace +({NUMBER}) +({NUMBER}) +{NUMBER} / {NUMBER} +(\d+) / (\d+) +{NUMBER}$", out, re.M)
     assert row, out
@@ -72,12 +72,27 @@ def test_bench_train_times_eager_compiled_and_dense_steps(tmp_path):
     assert re.search(rf"compiled / eager step time \(median of interleaved rounds\): {NUMBER}", out), out
 
 
-def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path):
-    bench("bench_frame", "--frames", 1, "--warmup", 1, "--profile-frames", 1, "--prod-layers", 0, "--dtype", "fp32",
-          "--sessions", 1, 2, "--json", tmp_path / "frame.json")
+@pytest.fixture(scope="module")
+def tiny2(tmp_path_factory):
+    """An untrained two-layer world (a local and a global layer): its graphs compile in a quarter
+    of the shipped world's time, and a compiling benchmark's test compiles every one from cold."""
+    folder = tmp_path_factory.mktemp("tiny2")
+    config = (REPO / "configs" / "untrained_tiny.yaml").read_text().replace("n_layers: 8", "n_layers: 2")
+    assert "n_layers: 2" in config
+    (folder / "tiny2.yaml").write_text(config)
+    make_checkpoint = [sys.executable, "-m", "scripts.make_untrained_checkpoint", "--config", str(folder / "tiny2.yaml"),
+                       "--out", str(folder / "tiny2"), "--clips", "1", "--future", "64"]
+    subprocess.run(make_checkpoint, cwd=REPO, check=True, capture_output=True, timeout=time_limit(120))
+    return folder / "tiny2"
+
+
+def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path, tiny2):
+    out = bench("bench_frame", "--checkpoint", tiny2, "--frames", 1, "--warmup", 1, "--profile-frames", 1,
+                "--prod-layers", 0, "--dtype", "fp32", "--sessions", 1, 2, "--json", tmp_path / "frame.json")
+    assert f"world untrained-tiny ({tiny2}): " in out, out
     report = json.loads((tmp_path / "frame.json").read_text())
     rows = report["rows"]
-    # the shipped world's ring lengths: its global layers' 32 slots and its local layers' 8
+    # the world's ring lengths: its global layer's 32 slots and its local layer's 8
     assert sorted(a["keys"] for a in report["attention"]) == [8 * 64, 32 * 64]
     assert all(a["dtype"] == "float32" and a["sdpa_us"] > 0 and a["matmul_us"] > 0 for a in report["attention"])
     assert [r["path"] for r in rows] == ["eager, int8 in-place", "compiled per block, int8 in-place",
@@ -106,22 +121,16 @@ def test_bench_heap_times_the_kept_heap_beside_glibc_s_default_each_in_its_own_p
     assert re.search(rf"round 1:\s+kept heap, 1 sessions: {NUMBER} ms a step", out) or not glibc, out
 
 
-def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path):
+def test_bench_startup_times_the_first_frame_and_the_background_compile(tmp_path, tiny2):
     """From a cold and then a warm compile cache: the first frame, then the compiled call taking
     over, every graph in, and the frame rates on both sides of the switch (the tiny world, over
     the ring)."""
-    # two layers (a local and a global one): the compile process runs at a low priority beside the
-    # frames and the other tests, and a small graph keeps its cold compile within the time limit;
-    # the frames are capped as a window's are, or their loop takes the compile's core (on a busy
-    # machine a niced process beside three busy ones gets a few per cent of a core)
-    config = (REPO / "configs" / "untrained_tiny.yaml").read_text().replace("n_layers: 8", "n_layers: 2")
-    assert "n_layers: 2" in config
-    (tmp_path / "tiny2.yaml").write_text(config)
-    make_checkpoint = [sys.executable, "-m", "scripts.make_untrained_checkpoint", "--config", str(tmp_path / "tiny2.yaml"),
-                       "--out", str(tmp_path / "tiny2"), "--clips", "1", "--future", "64"]
-    subprocess.run(make_checkpoint, cwd=REPO, check=True, capture_output=True, timeout=time_limit(120))
+    # two layers: the compile process runs at a low priority beside the frames and the other
+    # tests, and a small graph keeps its cold compile within the time limit; the frames are capped
+    # as a window's are, or their loop takes the compile's core (on a busy machine a niced process
+    # beside three busy ones gets a few per cent of a core)
     seconds = time_limit(250)
-    bench("bench_startup", "--checkpoint", tmp_path / "tiny2", "--seconds", round(seconds), "--threads", 1,
+    bench("bench_startup", "--checkpoint", tiny2, "--seconds", round(seconds), "--threads", 1,
           "--max-fps", 10, "--json", tmp_path / "startup.json", env={"OWL_RING_MODE": "inplace"},
           quiet_seconds=2.2 * seconds)
     rows = json.loads((tmp_path / "startup.json").read_text())["rows"]

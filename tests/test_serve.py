@@ -41,6 +41,32 @@ def alone(tmp_path, seed: int, actions, frames: int, name: str, start=("--clip",
     return np.load(out)
 
 
+
+def play_with_a_restart(players, frames: int, restart_at: int, mouse) -> None:
+    """Every page sends its controls (``mouse(i)``, W held) and reads a frame, ``frames`` times;
+    the second restarts at frame ``restart_at``; then every page closes."""
+    for f in range(frames):
+        for i, p in enumerate(players):
+            p.controls(mouse=mouse(i), buttons=(1,) + (0,) * 10)
+            if i == 1 and f == restart_at:
+                p.send({"type": "event", "name": "restart"})
+        for p in players:
+            p.next_frame()
+    for p in players:
+        p.close()
+
+
+def assert_frames_of_runs_alone(tmp_path, players, first_seed: int, least: int) -> None:
+    """Page i (seed ``first_seed`` + i) got at least ``least`` frames, each within FRAME_TOLERANCE
+    of a headless run of its session's saved actions alone."""
+    for i, p in enumerate(players):
+        actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
+        made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
+        assert made >= len(p.frames) >= least  # frames made while a page closed were never read
+        want = alone(tmp_path, first_seed + i, str(actions), made, f"p{i}")
+        worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
+        assert worst <= FRAME_TOLERANCE, (i, worst)
+
 # (message, the error code it gets) on a session that said hello
 HOSTILE = [
     ("garbage", "bad_json"), ("", "bad_json"), ("{", "bad_json"), ("[]", "bad_type"), ("null", "bad_type"),
@@ -236,24 +262,12 @@ def test_decoding_beside_the_model_thread_serves_each_player_the_frames_of_its_r
     with Server("--max-sessions", 2, "--save-actions", tmp_path / "actions", env={**FP32, "OWL_DECODE": "async"}) as server:
         assert server.health()["decode"] == "async"
         players = [Player(server.ws_url, seed=30 + i, format="png") for i in range(2)]
-        for f in range(16):
-            for i, p in enumerate(players):
-                p.controls(mouse=(3.0 * i, 0.0), buttons=(1,) + (0,) * 10)
-                if i == 1 and f == 7:
-                    p.send({"type": "event", "name": "restart"})
-            for p in players:
-                p.next_frame()
-        for p in players:
-            p.close()
+        play_with_a_restart(players, 16, restart_at=7, mouse=lambda i: (3.0 * i, 0.0))
     for i, p in enumerate(players):
         index = [f[0] for f in p.frames]
         assert index == sorted(index) and len(set(index)) == len(index)  # in order, none twice
         assert len({f[2] for f in p.frames}) == 1 + i  # the restart started a new cache epoch
-        actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
-        made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
-        want = alone(tmp_path, 30 + i, str(actions), made, f"p{i}")
-        worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
-        assert worst <= FRAME_TOLERANCE, (i, worst)
+    assert_frames_of_runs_alone(tmp_path, players, 30, least=14)
 
 
 def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):
@@ -284,13 +298,7 @@ def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):
         server.stop()  # Ctrl-C: torchrun reports the signal it got; the ranks stop cleanly
     assert "rank 1 makes each step's frames in one batched call" in server.output
     assert not our_traceback(server.output) and "error:" not in server.output, server.output  # from neither rank
-    for i, p in enumerate(players):
-        actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
-        made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
-        assert made >= len(p.frames) >= 10  # frames made while a page closed were never read
-        want = alone(tmp_path, 40 + i, str(actions), made, f"p{i}")
-        worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
-        assert worst <= FRAME_TOLERANCE, (i, worst)
+    assert_frames_of_runs_alone(tmp_path, players, 40, least=10)
 
 
 def test_a_generating_stage_that_splits_the_heads_serves_each_player_the_frames_of_its_run_alone(tmp_path):
@@ -299,25 +307,12 @@ def test_a_generating_stage_that_splits_the_heads_serves_each_player_the_frames_
     with Server("--pp", 2, "--tp", 2, "--max-sessions", 2, "--save-actions", tmp_path / "actions", env=FP32,
                 launch=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3")) as server:
         players = [Player(server.ws_url, seed=50 + i, format="png") for i in range(2)]
-        for f in range(8):
-            for i, p in enumerate(players):
-                p.controls(mouse=(1.0 - 2.0 * i, 0.5), buttons=(1,) + (0,) * 10)
-                if i == 1 and f == 3:
-                    p.send({"type": "event", "name": "restart"})
-            for p in players:
-                p.next_frame()
-        for p in players:
-            p.close()
+        play_with_a_restart(players, 8, restart_at=3, mouse=lambda i: (1.0 - 2.0 * i, 0.5))
         server.stop()
-    assert "ranks 1-2 (tensor parallel: each holds" in server.output, server.output
+    assert "ranks 1-2 (tensor parallel: each holds 1 of 2 heads) make each step's frames" in server.output, server.output
     assert not our_traceback(server.output) and "error:" not in server.output, server.output
-    for i, p in enumerate(players):
-        actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
-        made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
-        assert made >= len(p.frames) >= 6 and len({f[2] for f in p.frames}) == 1 + i  # the restart: a new epoch
-        want = alone(tmp_path, 50 + i, str(actions), made, f"p{i}")
-        worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
-        assert worst <= FRAME_TOLERANCE, (i, worst)
+    assert all(len({f[2] for f in p.frames}) == 1 + i for i, p in enumerate(players))  # the restart: a new epoch
+    assert_frames_of_runs_alone(tmp_path, players, 50, least=6)
 
 
 def our_traceback(output: str) -> list[str]:
