@@ -276,7 +276,7 @@ def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):
     with Server("--pp", 2, "--max-sessions", 3, "--save-actions", tmp_path / "actions", env=FP32,
                 launch=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")) as server:
         health = server.health()
-        assert health["stages"] == 2 and health["capacity"] == 3
+        assert health["stages"] == 2 and health["generating_ranks"] == 1 and health["capacity"] == 3
         players = [Player(server.ws_url, seed=40 + i, format="png") for i in range(2)]
         for f in range(14):
             if f == 4:
@@ -306,6 +306,8 @@ def test_a_generating_stage_that_splits_the_heads_serves_each_player_the_frames_
     restarts, and the server stops cleanly."""
     with Server("--pp", 2, "--tp", 2, "--max-sessions", 2, "--save-actions", tmp_path / "actions", env=FP32,
                 launch=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3")) as server:
+        health = server.health()
+        assert health["stages"] == 2 and health["generating_ranks"] == 2
         players = [Player(server.ws_url, seed=50 + i, format="png") for i in range(2)]
         play_with_a_restart(players, 8, restart_at=3, mouse=lambda i: (1.0 - 2.0 * i, 0.5))
         server.stop()

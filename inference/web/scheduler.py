@@ -336,7 +336,8 @@ class Scheduler(threading.Thread):
                       "step_ms": {str(n): round(s * 1000, 2) for n, s in sorted(self.step_s.items())},
                       "last_step_ms": round(self.last_step_s * 1000, 2), "frames": self.frames_made,
                       "batched": self.opt.batched, "measured_with": self.measured_with,
-                      "decode": self.sessions.settings.decode, "stages": 1 if self.sessions.stages is None else 2}
+                      "decode": self.sessions.settings.decode, "stages": 1 if self.sessions.stages is None else 2,
+                      "generating_ranks": 1 if self.sessions.stages is None else self.sessions.stages.generating_ranks}
 
     def _join(self, hello: Hello, send) -> Player:
         if len(self.players) >= self.capacity:

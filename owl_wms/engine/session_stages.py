@@ -74,8 +74,13 @@ class SessionsFirstStage:
         self.sessions, self.ctx = sessions, ctx
         self.link = StageLink(ctx, MESH, slot_bytes(sessions.world.model), depth=2)
 
+    @property
+    def generating_ranks(self) -> int:
+        """The mesh's ranks (more than one: they split the heads)."""
+        return self.ctx.world - 1
+
     def describe(self) -> str:
-        mesh, heads = self.ctx.world - 1, self.sessions.world.model.n_heads
+        mesh, heads = self.generating_ranks, self.sessions.world.model.n_heads
         makers = "rank 1 makes" if mesh == 1 else (f"ranks 1-{mesh} (tensor parallel: each holds {heads // mesh} of "
                                                    f"{heads} heads) make")
         return (f"[owl] two stages: rank 0 plans every session's steps and decodes, {makers} each step's "
