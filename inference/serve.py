@@ -80,7 +80,7 @@ def parse_args(argv=None):
                    help="step each session with its own model calls, one after another (the baseline batching beats)")
     p.add_argument("--pp", type=int, default=1, choices=(1, 2),
                    help="2: two pipeline stages, rank 0 serving the pages and decoding while rank 1 makes every "
-                        "step's frames (launch with torchrun --nproc-per-node 2)")
+                        "step's frames (launch with torchrun --nproc-per-node 2, or N+1 with --tp N)")
     p.add_argument("--tp", type=int, default=1,
                    help="with --pp 2: ranks 1..N make the frames, each holding 1/N of the heads (launch with "
                         "torchrun --nproc-per-node N+1)")

@@ -153,7 +153,10 @@ class ParallelContext:
         flag = flag or f"--tp {tp}"
         if dist.is_initialized():
             raise TPError("torch.distributed is already initialised in this process")
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        # On GPUs the model's collectives take NCCL; the stages' messages (host buffers) and the
+        # object collectives take gloo beside it.
+        cuda = device.startswith("cuda")
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except ValueError as exc:  # env:// without torchrun's variables
@@ -166,7 +169,7 @@ class ParallelContext:
             raise TPError(f"{flag} but torchrun started {world} processes; use --nproc-per-node {tp}")
         if device.startswith("cuda"):
             torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        return cls(dist.get_rank(), world, timeout_s, check_every, reduce_fp32=backend == "gloo", reduce=reduce)
+        return cls(dist.get_rank(), world, timeout_s, check_every, reduce_fp32=not cuda, reduce=reduce)
 
     # -- sharding ------------------------------------------------------------------------------
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -256,9 +259,9 @@ class ParallelContext:
             raise TPError("; ".join(f"rank {self.job_rank(r)}: {e}" for r, e in enumerate(errors) if e))
         for r, theirs in enumerate(said[1:], start=1):
             if not torch.equal(theirs, said[0]):
-                raise TPError(f"state digest: rank {self.job_rank(r)}'s cache holds {sorted({int(v) for v in theirs[1:]})} "
-                              f"tokens a layer, rank {self.job_rank(0)}'s {sorted({int(v) for v in said[0][1:]})} (a "
-                              "cache reset or write on one rank only)")
+                held = [sorted({int(v) for v in s[1:] if v >= 0}) for s in (theirs, said[0])]  # -1: a free row
+                raise TPError(f"state digest: rank {self.job_rank(r)}'s cache holds {held[0]} tokens a layer, rank "
+                              f"{self.job_rank(0)}'s {held[1]} (a cache reset or write on one rank only)")
 
     def exchange(self, plan, lifecycle, pending_error: str | None, offsets: list[int] = ()):
         """Rank 0 sends its plan (None elsewhere); every rank checks it, then all vote (with what

@@ -224,6 +224,19 @@ def sessions_rank_main(rank: int, port: int, checkpoint: str, scenario: str, que
                     return out
 
                 sessions.run = reset_after_three
+            if scenario == "sessions_follower_fails" and rank == 2:
+                from owl_wms.engine.lifecycle import LifecycleError
+
+                steps = []
+
+                def last_step_fails(plans):
+                    out = run(plans)
+                    steps.append(1)
+                    if len(steps) == 9:  # the script's last step made its frames, then failed here only
+                        raise LifecycleError("injected: this rank's step failed after its model calls")
+                    return out
+
+                sessions.run = last_step_fails
             return sessions.follow()
         made, _ = sessions_script(sessions)
         sessions.shut_down()

@@ -126,6 +126,16 @@ def test_a_session_row_reset_on_one_mesh_rank_trips_the_state_digest_on_every_ra
     assert out[0][0] == "error" and "rank 1 stopped" in out[0][1] and "state digest" in out[0][1], out
 
 
+def test_a_step_that_fails_on_one_mesh_rank_after_its_model_calls_ends_every_rank_with_the_cause():
+    """The mesh votes after each step too: no rank answers rank 0 or waits in a lifecycle check
+    for ranks that have stopped."""
+    out = run_ranks("sessions_follower_fails", limit_s=60, world=3)
+    for rank in range(3):
+        assert out[rank][0] == "error" and "rank 2: injected: this rank's step failed" in out[rank][1], out
+    # rank 0 hears it as the answer to that step, never later (the step's frames were never sent)
+    assert "rank 1 stopped" in out[0][1] and "sessions.step(controls)" in out[0][2] and "shut_down" not in out[0][2], out
+
+
 def test_a_sessions_call_count_mismatch_ends_both_ranks_with_the_cause():
     out = run_ranks("sessions_extra_call")
     assert out[1][0] == "error" and "rank 1 made 3 model calls" in out[0][1] + out[1][1], out

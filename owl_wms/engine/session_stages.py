@@ -127,7 +127,6 @@ class SessionsMesh:
         self.others = [StageLink(ctx, tp.job_rank(r), slot, depth=4) for r in range(1, tp.world)] \
             if tp is not None and self.leads else []  # the leader's links to the mesh's other ranks
         self.pipes: dict = {}  # row -> this rank's pipeline of the session in it
-        self.step_error: str | None = None  # a mesh rank's failed step, voted on with the next message
 
     def describe(self) -> str:
         return f"[owl] two stages: rank {self.ctx.rank} makes every session's frames for rank 0"
@@ -165,18 +164,17 @@ class SessionsMesh:
         before handing the message on, and the mesh's ranks vote before anything runs."""
         if self.tp is None:
             return {} if isinstance(message, Shutdown) else self.plans_of(message)
-        error, plans = self.step_error, {}
-        self.step_error = None
+        error, plans = None, {}
         if self.leads:
             if not isinstance(message, Shutdown):
                 plans = self.plans_of(message)  # a refusal goes to rank 0; the others hear of it from the store
             for link in self.others:
                 link.send(message, ENVELOPE_TAG)
-        elif error is None and not isinstance(message, Shutdown):
+        elif not isinstance(message, Shutdown):
             try:
                 plans = self.plans_of(message)
-            except (LifecycleError, StageError, ValueError) as exc:
-                error = f"rejected the message: {exc}"
+            except Exception as exc:  # noqa: BLE001 - every mesh rank must reach the vote, which names it
+                error = f"rejected the message: {type(exc).__name__}: {exc}"
         self.tp.vote(error, self.offsets())
         return plans
 
@@ -212,14 +210,18 @@ class SessionsMesh:
 
     def run(self, message, plans: dict) -> tuple:
         """Run checked plans: (the answer for rank 0, [(row, plan)] in row order). A step of several
-        sessions is one batched call; a split mesh's other ranks keep a failure for the next vote."""
-        try:
+        sessions is one batched call; a split mesh votes again after it, so a step that failed on
+        any of its ranks (a wrong count of model calls) ends them all before anyone answers rank 0
+        or joins a lifecycle check."""
+        if self.tp is None:
             return self.step(plans) if isinstance(message, StepEnvelope) else self.session_step(*plans.items())
+        out, error = (None, list(plans.items())), None
+        try:
+            out = self.step(plans) if isinstance(message, StepEnvelope) else self.session_step(*plans.items())
         except LifecycleError as exc:
-            if self.leads:
-                raise
-            self.step_error = str(exc)
-            return None, list(plans.items())
+            error = str(exc)
+        self.tp.vote(error)
+        return out
 
     def session_step(self, item: tuple) -> tuple[Result, list]:
         """A single session's step (its cut, an observed frame, its stop)."""
