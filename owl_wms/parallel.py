@@ -121,8 +121,10 @@ class ParallelContext:
         # gloo reduces bf16 element by element (measured 1.7 ms vs 0.7 ms in fp32 for a 64x256
         # activation on this CPU); fp32 also rounds the sum of partials once. NCCL keeps bf16.
         self.reduce_fp32 = reduce_fp32
-        # NCCL collectives take CUDA tensors only (the envelope itself travels as a pickled object).
-        self.device = torch.device("cpu") if reduce_fp32 else torch.device("cuda", torch.cuda.current_device())
+        # The checks (votes, lifecycle scalars) gather host tensors, which take gloo on GPUs too
+        # (launch's "cpu:gloo,cuda:nccl"): no NCCL communicator is made for ranks that only talk,
+        # so two stages can share one GPU (NCCL refuses two ranks on one device).
+        self.device = torch.device("cpu")
         self.store = dist.distributed_c10d._get_default_store()
         self.collectives = 0
 

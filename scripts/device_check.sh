@@ -16,12 +16,15 @@
 #    after warm-up (0 = none in steady state);
 # 5. bench_frame --device cuda: ms a frame of the production-shaped model (16 layers, bf16): eager,
 #    per-block compile and the model compiled whole, int8 and bf16 in-place rings, batched sessions;
-# 6. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model.
+# 6. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model;
+# 7. decoding beside the generator on a GPU: the headless run's float32 frames with OWL_DECODE=async
+#    (a CUDA stream) and as two stages (--pp 2, both ranks on the one GPU) against the plain run's,
+#    bit for bit.
 #
 # Where the GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg (and no network),
 # put their wheels in .whl/ beside the repository (pip download ... -d .whl); they are installed to
 # /tmp/site first.
-# The step limits add up to 9 minutes, so the whole check fits a 10-minute run. ORIGINAL=<folder>
+# The step limits add up to 9.5 minutes, so the whole check fits a 10-minute run. ORIGINAL=<folder>
 # (a checkout of the original, with a rotary-embedding-torch wheel in .whl/) adds the original's
 # own loop to bench_frame.
 #
@@ -36,7 +39,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 failed=()
 
-STEPS=" ${STEPS:-tests bench_kv chain bench_compile bench_frame bench_pipeline} "  # a subset: STEPS="tests bench_pipeline"
+STEPS=" ${STEPS:-tests bench_kv chain bench_compile bench_frame bench_pipeline stages} "  # a subset: STEPS="tests bench_pipeline"
 
 step() {  # step NAME LIMIT_S COMMAND...
     local name=$1 limit=$2
@@ -59,8 +62,8 @@ fi
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
 
 # -o addopts= : the suite's pytest-xdist options, which the GPU machine's pytest may not know
-step tests 120 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_compiled.py -k cuda
-step bench_kv 130 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
+step tests 100 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_compiled.py -k cuda
+step bench_kv 120 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
 tmp=$(mktemp -d)
 step chain 50 bash -c "set -e
     $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
@@ -73,5 +76,31 @@ step bench_frame 115 $PY -m scripts.bench_frame --device cuda --dtype bf16 --fra
     ${ORIGINAL:+--original "$ORIGINAL"} --json "$OUT/bench_frame.json"
 step bench_pipeline 55 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
     --json "$OUT/bench_pipeline.json"
+stages_check() {  # the plain run's frames against OWL_DECODE=async's and --pp 2's, bit for bit
+    set -e
+    export OWL_DEVICE=cuda OWL_DTYPE=fp32 OWL_COMPILE=0
+    local run="--headless --frames 24"
+    $PY -m inference.game_cv $run --out "$tmp/sync.mp4" --save-frames "$tmp/sync.npy"
+    OWL_DECODE=async $PY -m inference.game_cv $run --out "$tmp/async.mp4" --save-frames "$tmp/async.npy"
+    $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m inference.game_cv $run --pp 2 \
+        --out "$tmp/pp2.mp4" --save-frames "$tmp/pp2.npy"
+    $PY - "$tmp/sync.npy" "$tmp/async.npy" "$tmp/pp2.npy" <<'COMPARE'
+import sys
+
+import numpy as np
+
+sync, differ = np.load(sys.argv[1]), 0
+for path in sys.argv[2:]:
+    other = np.load(path)
+    same = other.shape == sync.shape and np.array_equal(other, sync)
+    diff = int(np.abs(sync.astype(int) - other.astype(int)).max()) if other.shape == sync.shape else None
+    print(f"{path}: {other.shape}, max diff {diff} ({'bit for bit' if same else 'DIFFERS'})")
+    differ += not same
+sys.exit(differ)
+COMPARE
+}
+export -f stages_check
+export PY tmp
+step stages 60 bash -c stages_check
 
 if [ ${#failed[@]} -eq 0 ]; then echo "device_check: all steps passed"; else echo "device_check: FAILED: ${failed[*]}"; exit 1; fi
