@@ -24,7 +24,7 @@
 # Where the GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg (and no network),
 # put their wheels in .whl/ beside the repository (pip download ... -d .whl); they are installed to
 # /tmp/site first.
-# The step limits add up to 9.5 minutes, so the whole check fits a 10-minute run. ORIGINAL=<folder>
+# The step limits add up to 9 minutes, so the whole check fits a 10-minute run. ORIGINAL=<folder>
 # (a checkout of the original, with a rotary-embedding-torch wheel in .whl/) adds the original's
 # own loop to bench_frame.
 #
@@ -63,7 +63,7 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 
 # -o addopts= : the suite's pytest-xdist options, which the GPU machine's pytest may not know
 step tests 100 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_compiled.py -k cuda
-step bench_kv 120 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
+step bench_kv 105 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
 tmp=$(mktemp -d)
 step chain 50 bash -c "set -e
     $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
@@ -101,6 +101,6 @@ COMPARE
 }
 export -f stages_check
 export PY tmp
-step stages 60 bash -c stages_check
+step stages 45 bash -c stages_check
 
 if [ ${#failed[@]} -eq 0 ]; then echo "device_check: all steps passed"; else echo "device_check: FAILED: ${failed[*]}"; exit 1; fi
