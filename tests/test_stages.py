@@ -152,6 +152,16 @@ def test_the_mesh_waits_for_rank_0s_next_step_as_long_as_rank_0_likes(expected):
     assert all(np.array_equal(frame, expected[n]) for n, frame in shown)
 
 
+def test_a_tensor_parallel_mesh_waits_for_rank_0s_next_step_as_long_as_rank_0_likes(expected):
+    """The mesh's other ranks wait for their leader's next step as patiently as the leader waits
+    for rank 0's (a collective would give up after tp_timeout_s)."""
+    out = run_ranks("idle", limit_s=60, world=3)
+    assert all(out[r][0] == "ok" for r in range(3)), out
+    shown = out[0][2]["shown"]
+    assert [n for n, _ in shown] == list(range(len(expected)))
+    assert all(np.array_equal(frame, expected[n]) for n, frame in shown)
+
+
 def test_break_it_1_ranks_started_with_different_plans_fail_at_start_up():
     out = run_ranks("plan_mismatch")
     for rank in (0, 1):

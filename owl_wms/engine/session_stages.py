@@ -39,6 +39,7 @@ from .stages import (
     check_plan,
     compare_scalars,
     mesh_answer,
+    mesh_links,
     offsets_of,
     slot_bytes,
 )
@@ -121,11 +122,8 @@ class SessionsMesh:
 
     def __init__(self, sessions, ctx: ParallelContext, tp: ParallelContext | None = None):
         self.sessions, self.ctx, self.tp = sessions, ctx, tp
-        slot = slot_bytes(sessions.world.model)
         self.leads = tp is None or tp.is_leader  # the rank that hears from rank 0 and answers it
-        self.link = StageLink(ctx, 0 if self.leads else MESH, slot, depth=4)
-        self.others = [StageLink(ctx, tp.job_rank(r), slot, depth=4) for r in range(1, tp.world)] \
-            if tp is not None and self.leads else []  # the leader's links to the mesh's other ranks
+        self.link, self.others = mesh_links(ctx, tp, slot_bytes(sessions.world.model))
         self.pipes: dict = {}  # row -> this rank's pipeline of the session in it
 
     def describe(self) -> str:
@@ -213,14 +211,15 @@ class SessionsMesh:
         sessions is one batched call; a split mesh votes again after it, so a step that failed on
         any of its ranks (a wrong count of model calls) ends them all before anyone answers rank 0
         or joins a lifecycle check."""
-        if self.tp is None:
-            return self.step(plans) if isinstance(message, StepEnvelope) else self.session_step(*plans.items())
         out, error = (None, list(plans.items())), None
         try:
             out = self.step(plans) if isinstance(message, StepEnvelope) else self.session_step(*plans.items())
         except LifecycleError as exc:
+            if self.tp is None:
+                raise
             error = str(exc)
-        self.tp.vote(error)
+        if self.tp is not None:
+            self.tp.vote(error)
         return out
 
     def session_step(self, item: tuple) -> tuple[Result, list]:

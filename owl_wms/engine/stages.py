@@ -358,7 +358,7 @@ class Mesh:
 
     def __init__(self, pipe, ctx: ParallelContext):
         self.pipe, self.ctx = pipe, ctx
-        self.link = StageLink(ctx, 0, slot_bytes(pipe.cfg), depth=4)
+        self.link, self.others = mesh_links(ctx, pipe.tp.tp if pipe.tp is not None else None, slot_bytes(pipe.cfg))
 
     def describe(self) -> str:
         return f"[owl] two stages: rank {self.ctx.rank} generates for rank 0"
@@ -388,7 +388,8 @@ class Mesh:
             if plan.event == "stop" or (plan.call_id + 1) % self.ctx.check_every == 0:
                 compare_scalars(self.ctx, pipe.lifecycle.scalars())  # as rank 0's, when the result arrives
             if plan.event == "stop":
-                self.link.flush()
+                for link in (self.link, *self.others):
+                    link.flush()
                 return made
 
     def serve_state(self, message: CacheState) -> Result:
@@ -419,6 +420,8 @@ class Mesh:
     def execute(self, plan: StepPlan):
         """Run a checked plan here, or with the other mesh ranks."""
         if self.pipe.tp is not None:
+            for link in self.others:  # the mesh's other ranks wait for this without a deadline
+                link.send(plan.call_id, ENVELOPE_TAG)
             return self.pipe.tp.run(plan)[1]
         if plan.event == "stop":
             self.pipe.lifecycle.finish(plan, 0)
@@ -430,6 +433,7 @@ class Mesh:
         lifecycle checks at the same steps as every other rank."""
         pipe, made = self.pipe, 0
         while True:
+            self.link.receive(ENVELOPE_TAG, patient=True)  # the leader's word that a step follows
             plan, _ = pipe.tp.run(None)
             made += plan.generates
             if plan.event == "stop" or (plan.call_id + 1) % self.ctx.check_every == 0:
@@ -439,6 +443,16 @@ class Mesh:
 
     def check(self, envelope) -> StepPlan:
         return check_envelope(envelope, self.pipe.lifecycle)
+
+
+def mesh_links(ctx: ParallelContext, tp: ParallelContext | None, slot: int) -> tuple[StageLink, list]:
+    """A mesh rank's links: the one it hears from (rank 0 for the mesh's leader, the leader for
+    its other ranks, who wait on it without a deadline: a paused game or an idle server sends
+    nothing for as long as it likes, and a collective would give up after tp_timeout_s), and the
+    leader's links to those other ranks."""
+    leads = tp is None or tp.is_leader
+    link = StageLink(ctx, 0 if leads else MESH, slot, depth=4)
+    return link, [StageLink(ctx, tp.job_rank(r), slot, depth=4) for r in range(1, tp.world)] if tp is not None and leads else []
 
 
 def check_envelope(envelope, lifecycle: Lifecycle) -> StepPlan:
