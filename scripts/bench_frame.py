@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .common import HEAP_KEPT, machine, minor_faults, require_at_least, shell_threads, synchronizer
+from .common import HEAP_KEPT, machine, minor_faults, path_settings, require_at_least, synchronizer
 
 # (path, OWL_* flags); the first is the eager path, the third the default (the model compiled whole)
 INT8 = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}
@@ -66,11 +66,9 @@ class Ours:
 
     def __init__(self, name, flags, model, decoder, world, history, dtype, device):
         from inference.causvid_pipeline import CausvidPipeline
-        from inference.flags import resolve_settings, with_threads
         from owl_wms.settings import without_kv
 
-        settings = with_threads(resolve_settings(without_kv(world.inference),
-                                                 shell_threads({**flags, "OWL_DEVICE": device})))
+        settings = path_settings(without_kv(world.inference), {**flags, "OWL_DEVICE": device})
         self.name, self.dtype = name, dtype
         self.pipe = CausvidPipeline(copy.deepcopy(model), copy.deepcopy(decoder), world,
                                     settings.replace(dtype=dtype), verbose=False)
@@ -336,14 +334,12 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
     """B sessions of the default (compiled whole, int8 in-place) at once, for each B of
     ``args.sessions``: ms per batched step (a frame of every session, decoded with the decoder
     when there is one), per session-frame, and the aggregate rate as a ratio to B = 1's."""
-    from inference.flags import resolve_settings, with_threads
     from owl_wms.engine.sessions import Sessions
     from owl_wms.settings import without_kv
 
     if not args.sessions:
         return []
-    settings = with_threads(resolve_settings(without_kv(world.inference),
-                                             shell_threads({**OURS[2][1], "OWL_DEVICE": args.device})))
+    settings = path_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device})
     dtype = DTYPES[args.dtype[0]]
     sync, batches = synchronizer(args.device), {}
     for n in args.sessions:

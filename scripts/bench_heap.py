@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from scripts.common import HEAP_KEPT, machine, minor_faults, require_at_least, shell_threads
+from scripts.common import HEAP_KEPT, machine, minor_faults, path_settings, require_at_least
 
 # In the environment, any glibc.malloc tunable makes inference/heap.py stand aside (this one
 # changes nothing else): glibc's default heap.
@@ -28,7 +28,6 @@ GLIBC_DEFAULT = {"GLIBC_TUNABLES": "glibc.malloc.check=0"}
 def child(sessions: int, steps: int, compile_flag: str) -> dict:
     import torch
 
-    from inference.flags import resolve_settings, with_threads
     from owl_wms.controls import no_controls
     from owl_wms.engine.build import load_parts
     from owl_wms.engine.sessions import Sessions
@@ -40,8 +39,7 @@ def child(sessions: int, steps: int, compile_flag: str) -> dict:
     history = (torch.randn(window, cfg.channels, cfg.sample_size, cfg.sample_size, generator=g),
                *no_controls(window))
     flags = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace", "OWL_COMPILE": compile_flag, "OWL_DEVICE": "cpu"}
-    settings = with_threads(resolve_settings(without_kv(world.inference), shell_threads(flags)))
-    settings = settings.replace(dtype=torch.bfloat16)
+    settings = path_settings(without_kv(world.inference), flags).replace(dtype=torch.bfloat16)
     batch = Sessions(model, None, world, settings, capacity=sessions, verbose=False)
     pipes = [batch.open(seed=i, clip=None) for i in range(sessions)]
     for pipe in pipes:

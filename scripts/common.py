@@ -96,13 +96,11 @@ def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool
 
     from inference.actions import load_actions
     from inference.causvid_pipeline import CausvidPipeline
-    from inference.flags import resolve_settings, with_threads
 
     rows = []
     actions = load_actions("walk_turn", frames + warmup)
     for name, env in modes.items():
-        settings = with_threads(resolve_settings({}, shell_threads({**env, "OWL_DEVICE": device,
-                                                                     "OWL_COMPILE": "1" if compiled else "0"})))
+        settings = path_settings({}, {**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"})
         pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
         times, graphs = [], 0
         for i in range(frames + warmup):
@@ -128,10 +126,13 @@ def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool
 THREAD_FLAGS = ("OWL_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
 
 
-def shell_threads(flags: dict) -> dict:
-    """A path's OWL_* ``flags`` with this shell's OWL_THREADS: a benchmark resolves each path's
-    settings from its own flags, and the thread count asked for must hold for every path."""
-    return {**({"OWL_THREADS": os.environ["OWL_THREADS"]} if os.environ.get("OWL_THREADS", "").strip() else {}), **flags}
+def path_settings(inference, flags: dict):
+    """A benchmark path's settings: ``inference`` under the path's own OWL_* ``flags`` and this
+    shell's OWL_THREADS (the thread count asked for must hold for every path), threads applied."""
+    from inference.flags import resolve_settings, with_threads
+
+    threads = {"OWL_THREADS": os.environ["OWL_THREADS"]} if os.environ.get("OWL_THREADS", "").strip() else {}
+    return with_threads(resolve_settings(inference, {**threads, **flags}))
 
 
 def headless_fps(frames: int, out: str, env: dict) -> float:
