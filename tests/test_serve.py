@@ -118,6 +118,27 @@ def test_the_protocol_refuses_each_hostile_message_by_name():
     assert protocol.read_frame(frame) == (12, None, 3, b"img")
 
 
+def test_what_is_asked_of_an_ending_scheduler_is_refused_and_never_left_waiting():
+    """A page that joins or leaves while the scheduler's thread ends hears ``Stopping`` at once:
+    nothing it asks is left in a queue that nobody runs (its await would never end)."""
+    from inference.web.scheduler import Scheduler, ServeOptions, Stopping
+
+    building = threading.Event()
+
+    def build():
+        building.wait(5)
+        raise ValueError("no world")
+
+    scheduler = Scheduler(build, ServeOptions(max_sessions=1), log=lambda *_: None)
+    scheduler.start()
+    asked = [scheduler.add_player(protocol.Hello(version=protocol.VERSION), lambda item: None) for _ in range(3)]
+    building.set()
+    scheduler.join(5)  # nobody asks anything after it ended
+    for future in asked:
+        assert isinstance(future.exception(timeout=5), Stopping)
+    assert isinstance(scheduler.error, ValueError)
+
+
 def closed_with(player: Player, timeout: float = 30) -> tuple[int, str]:
     """Read until the server closes: (code, reason)."""
     with pytest.raises(ConnectionClosed) as closed:

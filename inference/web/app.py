@@ -23,7 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..bindings import browser_bindings
 from . import protocol
 from .protocol import Controls, Event, Hello, ProtocolError
-from .scheduler import RECORDING_NAME, Player, Scheduler, ServerFull
+from .scheduler import RECORDING_NAME, Player, Scheduler, ServerFull, Stopping
 
 STATIC = Path(__file__).parent / "static"
 
@@ -90,12 +90,11 @@ class Connection:
             pass
         finally:
             # the session is gone before the page hears the close, so /healthz never counts a closed player
-            if self.player is not None and self.scheduler.is_alive():
+            if self.player is not None:
                 try:
                     await asyncio.wrap_future(self.scheduler.remove_player(self.player))
-                except RuntimeError:  # the scheduler stopped meanwhile: it removed every player itself
-                    if self.scheduler.is_alive():
-                        raise
+                except Stopping:  # the scheduler's thread is ending: it removes every player itself
+                    pass
             self.closing = self.closing or closing
             if self.closing is not None:
                 self.wake.set()

@@ -54,6 +54,13 @@ class ServerFull(Exception):
         self.players, self.capacity = players, capacity
 
 
+class Stopping(RuntimeError):
+    """The scheduler's thread is ending: it ran nothing more, and removes every player itself."""
+
+    def __init__(self):
+        super().__init__("the server is stopping")
+
+
 class PlayerError(ValueError):
     """Something one player asked for failed; only that player hears of it."""
 
@@ -141,6 +148,7 @@ class Scheduler(threading.Thread):
         self.players: list[Player] = []  # this thread's
         self.joined = 0
         self.tasks: queue.Queue = queue.Queue()
+        self.tasks_lock, self.tasks_closed = threading.Lock(), False  # closed: submit refuses at once
         self.ready, self.stopping, self.wake = threading.Event(), threading.Event(), threading.Event()
         self.error: BaseException | None = None
         self.step_s: dict[int, float] = {}  # measured seconds of a step (made and decoded) by padded batch size
@@ -155,10 +163,12 @@ class Scheduler(threading.Thread):
     def submit(self, fn, *args) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on this thread between steps."""
         future = concurrent.futures.Future()
-        self.tasks.put((future, fn, args))
+        with self.tasks_lock:
+            if self.tasks_closed:  # this thread is ending: nobody would run it
+                future.set_exception(Stopping())
+                return future
+            self.tasks.put((future, fn, args))
         self.wake.set()
-        if not self.is_alive():  # stopped (or failed) before it could run it
-            self._run_tasks(refuse=RuntimeError("the server is stopping"))
         return future
 
     def add_player(self, hello: Hello, send) -> concurrent.futures.Future:
@@ -199,6 +209,7 @@ class Scheduler(threading.Thread):
                 self.on_ready(self)
         except BaseException as exc:
             self.error = exc
+            self._close_tasks()
             self.ready.set()
             return
         self.ready.set()
@@ -218,7 +229,7 @@ class Scheduler(threading.Thread):
                     self.players.remove(player)
                 else:
                     self._leave(player)
-            self._run_tasks(refuse=RuntimeError("the server is stopping"))
+            self._close_tasks()
             if broken and self.on_fail is not None:
                 self.on_fail(self.error)
             elif self.sessions is not None:
@@ -246,6 +257,12 @@ class Scheduler(threading.Thread):
                 time.sleep(max(0.0, next_step - time.perf_counter()))
                 next_step = max(next_step + 1 / self.opt.max_fps, time.perf_counter())
             self._step(stepping)
+
+    def _close_tasks(self) -> None:
+        """Refuse what waits and whatever is asked from now on (with ``Stopping``)."""
+        with self.tasks_lock:
+            self.tasks_closed = True
+        self._run_tasks(refuse=Stopping())
 
     def _run_tasks(self, refuse: Exception | None = None):
         """Run what was asked of this thread; with ``refuse``, hand each waiter that error instead
