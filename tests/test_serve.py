@@ -13,6 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from inference.web import protocol
 from inference.web.protocol import ProtocolError
@@ -82,6 +83,7 @@ HOSTILE = [
     ('{"type": "controls", "mouse": [NaN, 0], "buttons": [0,0,0,0,0,0,0,0,0,0,0], "seq": 1}', "bad_json"),
     ('{"type": "controls", "mouse": [1e999, 0], "buttons": [0,0,0,0,0,0,0,0,0,0,0], "seq": 1}', "bad_field"),
     ({"type": "controls", "mouse": [20000, 0], "buttons": [0] * 11, "seq": 1}, "bad_field"),
+    ({"type": "controls", "mouse": [10**400, 0], "buttons": [0] * 11, "seq": 1}, "bad_field"),  # past any float
     ({"type": "controls", "mouse": [True, 0], "buttons": [0] * 11, "seq": 1}, "bad_field"),
     ({"type": "controls", "mouse": [0, 0], "buttons": [0] * 10, "seq": 1}, "bad_field"),
     ({"type": "controls", "mouse": [0, 0], "buttons": [2] + [0] * 10, "seq": 1}, "bad_field"),
@@ -207,8 +209,22 @@ def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_
     assert worst <= FRAME_TOLERANCE
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_past_capacity_a_player_hears_server_full_and_the_others_keep_playing():
     with Server("--max-sessions", 2) as server:
+        # sockets that never say hello cost the server nothing while they wait (no busy loop)
+        silent = [connect(server.ws_url, open_timeout=30, legacy=True) for _ in range(3)]
+        used = cpu_seconds(server.proc.pid)
+        time.sleep(3)
+        assert cpu_seconds(server.proc.pid) - used < 1.0, "an idle server spun while three pages said nothing"
+        for page in silent:
+            page.close()
         a, b = Player(server.ws_url), Player(server.ws_url)
         assert a.welcome["capacity"] == 2 and b.welcome["players"] == 2
         c = Player(server.ws_url)

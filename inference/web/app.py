@@ -173,8 +173,10 @@ class Connection:
     async def _send_all(self) -> None:
         status_due = time.monotonic() + 1.0
         while True:
+            # a page that has not joined hears no status: it waits for a message or its close, and costs nothing
+            wait = None if self.player is None else max(0.0, status_due - time.monotonic())
             try:
-                await asyncio.wait_for(self.wake.wait(), max(0.0, status_due - time.monotonic()))
+                await asyncio.wait_for(self.wake.wait(), wait)
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()
