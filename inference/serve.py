@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import shutil
 import signal
 import socket
@@ -93,8 +94,9 @@ def parse_args(argv=None):
     if args.pp == 2 and args.one_by_one:
         p.error("--one-by-one steps each session in this process; with --pp 2 rank 1 makes every step in one batched "
                 "call: drop one of them")
-    for flag, value, lo, hi in (("--port", args.port, 0, 65535), ("--max-sessions", args.max_sessions, 1, 1024),
-                                ("--session-limit", args.session_limit, 1, 1024), ("--quality", args.quality, 1, 95),
+    # (64 rows: start-up times a step at every padded batch size up to the limit, each with its own cache)
+    for flag, value, lo, hi in (("--port", args.port, 0, 65535), ("--max-sessions", args.max_sessions, 1, 64),
+                                ("--session-limit", args.session_limit, 1, 64), ("--quality", args.quality, 1, 95),
                                 ("--world-seed", args.world_seed, 0, MAX_LEVEL), ("--seed", args.seed, 0, MAX_SEED)):
         if value is not None and not lo <= value <= hi:
             p.error(f"{flag} {value}: must be a whole number in [{lo}, {hi}]")
@@ -102,7 +104,22 @@ def parse_args(argv=None):
                         ("--max-fps", args.max_fps)):
         if value is not None and not 0 < value <= 100_000:
             p.error(f"{flag} {value}: must be a positive number")
+    for flag, value in (("--record-dir", args.record_dir), ("--save-actions", args.save_actions)):
+        if value is not None and (problem := folder_problem(Path(value))):
+            p.error(f"{flag} {value!r}: {problem}; choose another folder")
     return args
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why files cannot be written into ``folder`` (made on first use, so it may not exist yet), or None."""
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder"
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == folder else f"cannot be made: {str(existing)!r} is not writable"
+    return None
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -407,14 +407,23 @@ def test_the_servers_flags_are_checked_with_the_fix(tmp_path):
     taken.close()
     r = run_main("inference.serve", ["--port", 0, "--checkpoint", tmp_path / "nothing"])
     assert r.returncode == 2 and "nothing" in r.stderr
-    for argv, text in ((["--max-sessions", "0"], "--max-sessions 0"), (["--target-fps", "-1"], "--target-fps"),
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o500)
+    folders = [(["--save-actions", str(a_file)], f"--save-actions {str(a_file)!r}: is a file, not a folder"),
+               (["--record-dir", str(a_file / "x")], f"{str(a_file)!r} is a file, not a folder; choose another folder")]
+    if not os.access(read_only, os.W_OK):  # (root may write anywhere)
+        folders.append((["--record-dir", str(read_only / "r")], "is not writable"))
+    for argv, text in [*folders, (["--max-sessions", "0"], "--max-sessions 0"), (["--max-sessions", "65"], "[1, 64]"),
+                       (["--target-fps", "-1"], "--target-fps"),
                        (["--port", "70000"], "--port 70000"), (["--pp", "3"], "--pp: invalid choice"),
                        (["--pp", "2", "--one-by-one"], "with --pp 2 rank 1 makes every step in one batched call"),
                        (["--pp", "2", "--port", "0"], "'torchrun --nproc-per-node 2 -m inference.serve --pp 2 ...'"),
                        (["--tp", "2"], "--tp 2 splits the heads of the generating stage: add --pp 2"),
                        (["--pp", "2", "--tp", "0"], "--tp 0: must be a whole number in [1, 64]"),
                        (["--pp", "2", "--tp", "2", "--port", "0"],
-                        "'torchrun --nproc-per-node 3 -m inference.serve --pp 2 --tp 2 ...'")):
+                        "'torchrun --nproc-per-node 3 -m inference.serve --pp 2 --tp 2 ...'")]:
         r = run_main("inference.serve", argv)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
 
