@@ -110,6 +110,16 @@ def parse_args(argv=None):
     for flag, value in (("--fps", args.fps), ("--target-fps", args.target_fps), ("--sensitivity", args.sensitivity)):
         if value is not None and not 0 < value <= 1000:
             p.error(f"{flag} {value}: must be a number in (0, 1000]")
+    if args.headless:
+        for flag, given, fix in (("--record", args.record, "the rollout's video is --out"),
+                                 ("--record-dir", args.record_dir, "the rollout's video is --out"),
+                                 ("--save-actions", args.save_actions, "a rollout's actions are its --actions"),
+                                 ("--replay", args.replay, "give the action file as --actions FILE"),
+                                 ("--max-frames", args.max_frames, "give the rollout's length as --frames N"),
+                                 ("--no-overlay", args.no_overlay, "a rollout's video has no overlay"),
+                                 ("--smooth", args.smooth, "a rollout's video is scaled by whole pixels")):
+            if given:
+                p.error(f"{flag} is a window option, not used with --headless: {fix}")
     if args.headless and args.scale is None:
         args.scale = 4
     return args

@@ -101,6 +101,11 @@ CASES = {
     "sheet-every-zero": (["--sheet-every", "0"], {}, r"--sheet-every 0: must be"),
     "max-frames-zero": (["--max-frames", "0"], {}, r"--max-frames 0: must be a whole number >= 1"),
     "weights-unknown": (["--weights", "bogus"], {}, r"--weights: invalid choice: 'bogus'"),
+    # window options with --headless
+    "replay-headless": (["--replay", "a.jsonl"], {}, r"--replay is a window option, not used with --headless: give "
+                                                     r"the action file as --actions FILE"),
+    "record-headless": (["--record", "r.mp4"], {}, r"--record is a window option, not used with --headless"),
+    "save-actions-headless": (["--save-actions", "s.jsonl"], {}, r"--save-actions is a window option"),
     # output paths, refused before any work
     "out-suffix": (lambda t: ["--out", str(t / "x.avi")], {}, r"--out '.*x\.avi' must end in \.mp4"),
     "out-missing-folder": (lambda t: ["--out", str(t / "no" / "x.mp4")], {}, r"output folder '.*no' does not exist"),
