@@ -256,6 +256,9 @@ class KVSettings:
         if v["v_per_channel"]:
             scale_v = "channel"
         quantized = fmt_k != "bf16" or fmt_v != "bf16"
+        if fp8 and not quantized:
+            clash(("fp8_kv", *(f for f in ("kv_storage", "kv_fmt_k", "kv_fmt_v") if v[f] == "bf16")),
+                  "the first asks for a quantized cache, the rest store K and V in bf16; set only one of them")
         for f in ("kv_scale", "kv_ema", "v_percentile", "v_per_channel", "scale_smooth", "kv_late_layers", "k_fp8"):
             if v[f] is not None and not quantized:
                 clash((f, "kv_storage"), "a quantization option is set but K and V are stored in bf16; "

@@ -154,6 +154,8 @@ CASES = {
     "env-threads": ([], {"OWL_THREADS": "many"}, r"OWL_THREADS='many' is malformed"),
     "env-storage": ([], {"OWL_KV_STORAGE": "int3"}, r"OWL_KV_STORAGE='int3' is malformed"),
     "env-bits": ([], {"OWL_KV_BITS": "5"}, r"OWL_KV_BITS='5' is malformed"),
+    "env-fp8-bf16-clash": ([], {"OWL_KV_STORAGE": "bf16", "OWL_FP8_KV": "1"},
+                           r"OWL_FP8_KV='1' and OWL_KV_STORAGE='bf16' contradict: the first asks for a quantized cache"),
     "env-storage-bits-clash": ([], {"OWL_KV_STORAGE": "fp8_e4m3", "OWL_KV_BITS": "8"},
                                r"OWL_KV_STORAGE='fp8_e4m3' and OWL_KV_BITS='8' contradict"),
     "env-ring": ([], {"OWL_RING_MODE": "spiral"}, r"OWL_RING_MODE='spiral' is malformed; accepted values: roll\|pointer\|inplace"),

@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -157,5 +159,21 @@ def test_threads_follow_the_cores_other_processes_leave_free():
         fixed = CoreBudget(2, adaptive=False, probe=lambda: tuple(ticks), clock=lambda: clock[0])
         advance(2.0, others=2.0, own=0.0)
         assert fixed.check() == 2 and not fixed.limited
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_more_threads_than_cores_are_kept_with_a_warning_naming_the_cores():
+    from inference.flags import physical_cores, with_threads
+
+    before = torch.get_num_threads()
+    cores = physical_cores()
+    try:
+        with pytest.warns(UserWarning, match=rf"OWL_THREADS={cores + 1} gives {cores + 1} threads to this machine's "
+                                             rf"{cores} physical cores; .* use at most {cores}"):
+            assert with_threads(Settings(threads=cores + 1)).threads == cores + 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with_threads(Settings(threads=cores))  # as many as the cores: no warning
     finally:
         torch.set_num_threads(before)
