@@ -24,6 +24,8 @@ BUILTIN = ("idle", "forward", "turn", "walk_turn", "random")
 EVENTS = {"restart": (), "clip": ("clip",), "world_seed": ("seed",), "ground_truth": ("on",), "bias": ("value",),
           "snapshot": (), "restore": ()}
 
+MOUSE_MAX = 1e6  # a frame's |dx|, |dy| in an action file: far past any turn, and finite as the model's float32
+
 
 def _press(*names: str) -> list[int]:
     return [int(b in names) for b in BUTTONS]
@@ -80,8 +82,8 @@ def parse_action(obj, where: str):
     if not isinstance(obj, dict) or "mouse" not in obj or "buttons" not in obj:
         raise ValueError(f"{where}: expected {{\"mouse\": [dx, dy], \"buttons\": [11 ints]}}, got {shorten(obj)}")
     mouse, buttons = obj["mouse"], obj["buttons"]
-    if not isinstance(mouse, list) or len(mouse) != 2 or not all(is_number(v) for v in mouse):
-        raise ValueError(f"{where}: mouse must be 2 finite numbers, got {shorten(mouse)}")
+    if not isinstance(mouse, list) or len(mouse) != 2 or not all(is_number(v) and abs(v) <= MOUSE_MAX for v in mouse):
+        raise ValueError(f"{where}: mouse must be 2 finite numbers of at most {MOUSE_MAX:g} in size, got {shorten(mouse)}")
     if (not isinstance(buttons, list) or len(buttons) != len(BUTTONS)
             or not all(is_whole(v) and v in (0, 1) for v in buttons)):
         raise ValueError(f"{where}: buttons must be {len(BUTTONS)} values of 0/1 "

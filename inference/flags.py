@@ -59,14 +59,15 @@ def physical_cores() -> int:
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     try:
         cores, cpu, phys = set(), None, "0"
-        for line in open("/proc/cpuinfo"):
-            key, _, value = (s.strip() for s in line.partition(":"))
-            if key == "processor":
-                cpu = int(value)
-            elif key == "physical id":
-                phys = value
-            elif key == "core id" and cpu in allowed:
-                cores.add((phys, value))
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = (s.strip() for s in line.partition(":"))
+                if key == "processor":
+                    cpu = int(value)
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id" and cpu in allowed:
+                    cores.add((phys, value))
         return max(1, len(cores)) if cores else len(allowed)
     except OSError:
         return max(1, len(allowed))

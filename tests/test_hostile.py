@@ -139,6 +139,8 @@ CASES = {
     "actions-bias-huge": (action_file(FRAME, '{"event": "bias", "value": 1e9}'), {}, r"value=1000000000\.0; it must be a number in \[-100, 100\]"),
     "actions-mouse-nan": (action_file('{"mouse": [NaN, 0], "buttons": [0,0,0,0,0,0,0,0,0,0,0]}'), {},
                           r"a\.jsonl:1: mouse must be 2 finite numbers"),
+    "actions-mouse-huge": (action_file('{"mouse": [1e308, 0], "buttons": [0,0,0,0,0,0,0,0,0,0,0]}'), {},
+                           r"a\.jsonl:1: mouse must be 2 finite numbers of at most 1e\+06 in size, got \[1e\+308, 0\]"),
     "actions-mouse-short": (action_file('{"mouse": [1], "buttons": [0,0,0,0,0,0,0,0,0,0,0]}'), {}, r"mouse must be 2"),
     "actions-buttons-short": (action_file('{"mouse": [0, 0], "buttons": [1, 0]}'), {}, r"buttons must be 11 values of 0/1"),
     "actions-buttons-bool": (action_file('{"mouse": [0, 0], "buttons": [true,0,0,0,0,0,0,0,0,0,0]}'), {},
