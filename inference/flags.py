@@ -35,9 +35,9 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     if str(environ.get(FLAGS["kv_cache"], "")).strip().lower() == "none":
         inference = without_kv(inference)
     for name in sorted(k for k in environ if k.startswith("OWL_") and k not in KNOWN):
-        near = difflib.get_close_matches(name, KNOWN, n=1)
+        near = difflib.get_close_matches(name[4:], [k[4:] for k in KNOWN], n=1)  # (every name shares OWL_)
         warnings.warn(f"{name} is not a known OWL_* flag and is ignored"
-                      + (f" (did you mean {near[0]}?)" if near else "") + f"; known flags: {', '.join(KNOWN)}",
+                      + (f" (did you mean OWL_{near[0]}?)" if near else "") + f"; known flags: {', '.join(KNOWN)}",
                       stacklevel=2)
     raw = dict(inference)
     raw.update({f: environ[flag] for f, flag in FLAGS.items() if flag in environ})

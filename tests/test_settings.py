@@ -48,6 +48,9 @@ def test_unknown_flag_warns_and_lists_known():
         resolve_settings({}, environ={"OWL_FP9_KV": "1"})
     assert all(name in str(rec[0].message) for name in KNOWN)
     assert "did you mean OWL_FP8_KV?" in str(rec[0].message)
+    with pytest.warns(UserWarning, match="OWL_FOO is not a known") as rec:  # near only by the shared OWL_
+        resolve_settings({}, environ={"OWL_FOO": "1"})
+    assert "did you mean" not in str(rec[0].message)
 
 
 def test_the_app_prints_a_warning_as_one_line_naming_the_nearest_flag(tmp_path):
