@@ -262,6 +262,9 @@ def _section(raw, name: str, path) -> dict:
 def load_world(checkpoint: str | Path) -> WorldConfig:
     """The config of a checkpoint folder (its config.yaml) or a config file."""
     checkpoint = Path(checkpoint)
+    if checkpoint.is_file() and checkpoint.suffix.lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"{str(checkpoint)!r} is a file of a checkpoint, not its config: pass the checkpoint's "
+                          f"folder ({str(checkpoint.parent)!r}) or its config.yaml")
     return load_config(checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint)
 
 

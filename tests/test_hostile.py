@@ -169,6 +169,10 @@ CASES = {
                                  r"OWL_KV_LATE_LAYERS=99 exceeds the model's \d+ layers"),
     "env-share-too-many": ([], {"OWL_KV_SHARE": "99"}, r"OWL_KV_SHARE=99 exceeds the model's \d+ layers"),
     # checkpoints, configs and clips
+    "checkpoint-weights-file": (lambda t: [(t / "model.safetensors").write_bytes(b"\xbe\x00"), "--checkpoint",
+                                           str(t / "model.safetensors")][1:], {},
+                                r"'.*model\.safetensors' is a file of a checkpoint, not its config: pass the "
+                                r"checkpoint's folder"),
     "checkpoint-missing": (lambda t: ["--checkpoint", str(t / "nowhere")], {}, r"config file '.*nowhere' does not exist"),
     "ckpt-missing": (["--ckpt", "nowhere.safetensors"], {}, r"nowhere\.safetensors"),
     "ckpt-garbage": (lambda t: [(t / "w.safetensors").write_bytes(b"not a tensor file"), "--ckpt", str(t / "w.safetensors")][1:],
