@@ -187,9 +187,10 @@ def plan_layers(config: ModelConfig, kv: KVSettings, window_frames: int) -> list
     """Per-layer codecs, scales, windows, capacities and sharing groups from the settings."""
     n, layout = config.n_layers, kv.ring_mode
     if kv.late_layers is not None and kv.late_layers > n:
-        raise SettingsError(f"kv_late_layers={kv.late_layers} exceeds the model's {n} layers", ("kv_late_layers",))
+        raise SettingsError(f"kv_late_layers={kv.late_layers} exceeds the model's {n} layers; give at most {n}",
+                            ("kv_late_layers",))
     if kv.share > n:
-        raise SettingsError(f"kv_share={kv.share} exceeds the model's {n} layers", ("kv_share",))
+        raise SettingsError(f"kv_share={kv.share} exceeds the model's {n} layers; give at most {n}", ("kv_share",))
     # A decoded frame reads the cache without the frame mask: global layers see all W frames
     # whatever global_window says (the original), local layers their last local_window.
     windows = [min(config.decode_window(i) or window_frames, window_frames) for i in range(n)]

@@ -101,6 +101,8 @@ CASES = {
     "sheet-every-zero": (["--sheet-every", "0"], {}, r"--sheet-every 0: must be"),
     "max-frames-zero": (["--max-frames", "0"], {}, r"--max-frames 0: must be a whole number >= 1"),
     "weights-unknown": (["--weights", "bogus"], {}, r"--weights: invalid choice: 'bogus'"),
+    "ground-truth-too-long": (["--ground-truth", "--frames", "100000"], {},
+                              r"--ground-truth: the clip records \d+ future actions; ask for at most --frames \d+"),
     # window options with --headless
     "replay-headless": (["--replay", "a.jsonl"], {}, r"--replay is a window option, not used with --headless: give "
                                                      r"the action file as --actions FILE"),
