@@ -172,7 +172,7 @@ def test_ground_truth_replays_clip_actions_and_restart_repeats():
     assert pipe.clip.name == "clip_01" and pipe.replay.step == 0
 
 
-def test_ground_truth_exhaustion_is_a_clear_error_and_keeps_the_video(tmp_path):
+def test_ground_truth_past_the_clip_is_refused_first_or_stops_with_a_clear_error_and_keeps_the_video(tmp_path):
     from owl_wms.clips import Clip, load_clip
 
     from inference.causvid_pipeline import DEFAULT_CHECKPOINT
@@ -185,6 +185,13 @@ def test_ground_truth_exhaustion_is_a_clear_error_and_keeps_the_video(tmp_path):
     out = tmp_path / "gt.mp4"
     r = run("--headless", "--ground-truth", "--clip", str(tmp_path / "short.safetensors"), "--frames", "5",
             "--out", str(out))
+    assert r.returncode == 2 and "records 3 future actions; ask for at most --frames 3" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    # with events (a restart would replay the clip again) the run is not refused first: it stops at the end
+    frame = json.dumps({"mouse": [0, 0], "buttons": [0] * 11})
+    (tmp_path / "a.jsonl").write_text("\n".join([frame] * 3 + ['{"event": "bias", "value": 0.0}'] + [frame] * 2))
+    r = run("--headless", "--ground-truth", "--clip", str(tmp_path / "short.safetensors"), "--actions",
+            str(tmp_path / "a.jsonl"), "--out", str(out))
     assert r.returncode == 2 and "records 3 future actions" in r.stderr and "Traceback" not in r.stderr
     assert "(3 frames) - stopped by an error" in r.stdout and count_frames(out) == 3
 
