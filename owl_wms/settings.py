@@ -38,7 +38,7 @@ def _compile_mode(text: str) -> str:
     return "1" if _bool(t) else "0"
 
 
-_compile_mode.accepted = "auto|0|1"
+_compile_mode.accepted = "auto|0|1 (or another yes/no word for 0|1)"
 
 
 def _choice(*options: str) -> Callable[[str], str]:
@@ -57,7 +57,7 @@ def _int(minimum: int, maximum: int = 2**63 - 1) -> Callable[[str], int]:
         if not minimum <= v <= maximum:
             raise ValueError
         return v
-    parse.accepted = f"an integer >= {minimum}" if maximum == 2**63 - 1 else f"an integer in [{minimum}, {maximum}]"
+    parse.accepted = f"an integer in [{minimum}, {maximum}]"
     return parse
 
 

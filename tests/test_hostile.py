@@ -154,7 +154,7 @@ CASES = {
     # OWL_* flags
     "env-device": ([], {"OWL_DEVICE": "tpu"}, r"OWL_DEVICE='tpu' is malformed; accepted values: cpu\|cuda"),
     "env-dtype": ([], {"OWL_DTYPE": "fp64"}, r"OWL_DTYPE='fp64' is malformed"),
-    "env-seed": ([], {"OWL_SEED": "-1"}, r"OWL_SEED='-1' is malformed; accepted values: an integer >= 0"),
+    "env-seed": ([], {"OWL_SEED": "-1"}, r"OWL_SEED='-1' is malformed; accepted values: an integer in \[0, 9223372036854775807\]"),
     "env-threads": ([], {"OWL_THREADS": "many"}, r"OWL_THREADS='many' is malformed"),
     "env-storage": ([], {"OWL_KV_STORAGE": "int3"}, r"OWL_KV_STORAGE='int3' is malformed"),
     "env-bits": ([], {"OWL_KV_BITS": "5"}, r"OWL_KV_BITS='5' is malformed"),
