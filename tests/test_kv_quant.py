@@ -533,7 +533,7 @@ def test_plan_checks_the_model():
 
     with pytest.raises(SettingsError, match="kv_late_layers=9 exceeds the model's 4 layers") as err:
         plan_layers(tiny_config(), kv(OWL_KV_STORAGE="int8", OWL_KV_LATE_LAYERS=9), 5)
-    assert flag_message(err.value) == "OWL_KV_LATE_LAYERS=9 exceeds the model's 4 layers"  # as the apps say it
+    assert flag_message(err.value) == "OWL_KV_LATE_LAYERS=9 exceeds the model's 4 layers; give at most 4"  # as the apps say it
 
 
 def test_profile_lines_time_quantization_and_attention_only_when_on(capsys):
