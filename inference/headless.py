@@ -168,7 +168,7 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
                                 threads=pipe.settings.threads if stages is not None else pipe.settings.decode_threads)
         sims, requested = {}, 0  # frame number -> the simulator's view beside it, until the frame is decoded
         frames = sum(not is_event(x) for x in items)
-        recorded = pipe.clip.future_mouse.shape[0] if pipe.ground_truth and pipe.clip is not None else None
+        recorded = pipe.clip.future_frames if pipe.ground_truth and pipe.clip is not None else None
         if recorded is not None and frames > recorded and not any(is_event(x) for x in items):  # (events may restart it)
             raise ValueError(f"--ground-truth: the clip records {recorded} future actions; ask for at most "
                              f"--frames {recorded}")

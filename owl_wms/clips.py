@@ -38,6 +38,11 @@ class Clip:
     def future_buttons(self):
         return self.buttons[self.history_frames:]
 
+    @property
+    def future_frames(self) -> int:
+        """How many frames of recorded actions follow the history (what ground truth can replay)."""
+        return self.mouse.shape[0] - self.history_frames
+
     def history(self, window: int):
         """The last ``window`` history frames: (latents, mouse, buttons)."""
         if self.history_frames < window:

@@ -57,7 +57,7 @@ class ClipReplay:
         """The controls the next frame uses: the player's, or the clip's next recorded ones."""
         if not self.on:
             return as_controls(mouse, buttons)
-        recorded = 0 if self.clip is None else self.clip.future_mouse.shape[0]
+        recorded = 0 if self.clip is None else self.clip.future_frames
         if self.step >= recorded:
             raise ValueError(f"ground-truth replay exhausted: the clip records {recorded} future actions; "
                              f"ask for at most {recorded} frames or restart the clip")
