@@ -141,15 +141,16 @@ def history_bias_mask(n_q_frames: int, n_k_frames: int, tpf: int, window: Window
     return add.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1).to(device, dtype)
 
 
-def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None):
+def attend(q, k, v, tpf: int, window: Window, backend: str, mask=None, ring_kernel: str = "sdpa"):
     """q: [b,h,Tq,dh], k/v: [b,h,Tk,dh]; query frames are the last Tq/tpf key frames.
 
     ``mask``: a float additive mask that encodes the whole rule: ``history_bias_mask``'s (soft
-    forgetting), or with ``backend`` "ring" a frame's [b, 1, 1, Tk] over ring slots in any order.
+    forgetting), or with ``backend`` "ring" a frame's [b, 1, 1, Tk] over ring slots in any order,
+    attended by the ``RING_KERNELS`` entry ``ring_kernel``.
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "ring":  # a frame over a ring read in place: its mask [b, 1, 1, Tk] holds the whole rule
-        return sdpa_attention(q, k, v, mask, scale)
+        return RING_KERNELS[ring_kernel](q, k, v, mask, scale)
     if mask is not None and mask.dtype != torch.bool:
         if backend == "flex":
             def biased(score, b, h, q_idx, kv_idx):
@@ -182,12 +183,14 @@ def sdpa_attention(q, k, v, mask, scale: float):
 
 def matmul_attention(q, k, v, mask, scale: float):
     """Attention as a matmul, a softmax in fp32 and a matmul, under the additive float ``mask``
-    [Tq or 1, Tk]: the alternative to SDPA for a frame's queries over a ring that
-    ``scripts.bench_frame`` times beside it (its attention table). On an AMD EPYC with
-    AVX512-BF16 it ran 1.5-2.5x as fast as SDPA compiled in bf16; on the Intel Xeon of
-    docs/results.md SDPA ran 1.3-1.4x as fast, so the ring path takes SDPA everywhere."""
+    [Tq or 1, Tk]: the other kernel of a frame's queries over a ring (``Settings.ring_attention``
+    says where it runs; ``scripts.bench_frame`` times both)."""
     logits = torch.matmul(q, k.transpose(-1, -2)).float() * scale + mask
     return torch.matmul(logits.softmax(-1).to(v.dtype), v)
+
+
+# A frame's attention over a ring read in place, by name (Settings.ring_attention).
+RING_KERNELS = {"sdpa": sdpa_attention, "matmul": matmul_attention}
 
 
 def _attend_sdpa(q, k, v, tpf: int, window: Window, chunk: int, scale: float):
@@ -218,6 +221,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.layer, self.tpf = n_heads, layer, tpf
         self.window, self.decode_window = window, decode_window  # frame mask / decoding (ModelConfig)
+        self.ring_kernel = "sdpa"  # a frame over a ring: the RING_KERNELS entry (Transformer.set_backends)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
 
@@ -254,5 +258,5 @@ class Attention(nn.Module):
         return (framed,) * decode_from + (decoded,) * (n_q_frames - decode_from)
 
     def attend_out(self, q, k, v, window: Window, backend: str, mask=None):
-        y = attend(q, k, v, self.tpf, window, backend, mask)
+        y = attend(q, k, v, self.tpf, window, backend, mask, self.ring_kernel)
         return self.out(rearrange(y, MERGE_HEADS))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .attention import BACKENDS, Attention, history_bias_mask
+from .attention import BACKENDS, RING_KERNELS, Attention, history_bias_mask
 from .config import ModelConfig
 from .controls import N_BUTTONS
 from .rope import make_rope
@@ -246,11 +246,17 @@ class Transformer(nn.Module):
     def disable_decoding(self):
         self.decoding = False
 
-    def set_backends(self, prefill: str, decode: str):
+    def set_backends(self, prefill: str, decode: str, ring: str = "sdpa"):
+        """Attention of prefill and of decoded frames (``BACKENDS``), and the kernel of a frame
+        over a ring read in place (``RING_KERNELS``)."""
         for b in (prefill, decode):
             if b not in BACKENDS:
                 raise ValueError(f"attention backend {b!r} is not one of {BACKENDS}")
+        if ring not in RING_KERNELS:
+            raise ValueError(f"ring attention kernel {ring!r} is not one of {tuple(RING_KERNELS)}")
         self.backend, self.decode_backend = prefill, decode
+        for block in self.blocks:
+            block.attn.ring_kernel = ring
 
     def compile(self, **kwargs):
         """torch.compile each block's cache-free halves (state-dict names are unchanged)."""

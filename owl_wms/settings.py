@@ -109,6 +109,16 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.flo
            "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
 
 
+def ring_kernel(device: str, dtype: str) -> str:
+    """The faster kernel of a frame's attention over the in-place ring on this hardware
+    (docs/results.md, Ring attention): matmul-softmax-matmul in bf16 on a CPU with AVX512-BF16
+    but no AMX (an AMD EPYC), whose SDPA runs without AMX tiles; SDPA elsewhere (on an Intel Xeon
+    with AMX it ran faster, as it does in fp32 and on CUDA)."""
+    cpu_bf16 = device.startswith("cpu") and dtype == "bf16"
+    return "matmul" if cpu_bf16 and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported() \
+        else "sdpa"
+
+
 def native_bf16(device: str) -> bool:
     """Whether ``device`` computes bf16 at full speed: CUDA, or a CPU with AVX512-BF16 or AMX.
     (scripts.bench_frame on an AVX2 CPU: bf16 matmuls at 1.3 GFLOP/s against 166.6 in fp32.)"""
@@ -142,6 +152,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("attn_backend", _choice("auto", "sdpa", "flex"), "auto",
          "attention backend (auto: flex on GPU, sdpa on CPU)"),
     Option("attn_sdpa_decode", _bool, False, "use SDPA for per-frame decode"),
+    Option("ring_attention", _choice("auto", "sdpa", "matmul"), "auto",
+           "kernel of a generated frame's attention over the in-place ring (auto: matmul-softmax-matmul in "
+           "bf16 on a CPU with AVX512-BF16 and no AMX, where it ran faster; SDPA elsewhere)"),
     Option("kv_cache", _choice("static", "none"), "static",
          "static: bf16 roll cache; none: recompute without a cache (correctness baseline)"),
     # Quantized cache family (docs/architecture.md, The KV cache); None defaults mean "not set".
@@ -309,6 +322,7 @@ class Settings:
     frame_graph: bool = True
     attn_backend: str = "sdpa"
     attn_backend_decode: str = "sdpa"
+    ring_attention: str = "sdpa"  # RING_KERNELS name of a frame over the in-place ring
     kv_cache: str = "static"
     profile_kv: bool = False
     profile_kv_first: int = 3
@@ -361,6 +375,7 @@ class Settings:
             # reference that made a CUDA frame ~10x slower than SDPA (measured on an H100).
             backend = "flex" if device.startswith("cuda") and v["compile"] == "1" else "sdpa"
         dtype = v["dtype"] if v["dtype"] != "auto" else "bf16" if native_bf16(device) else "fp32"
+        ring = v["ring_attention"] if v["ring_attention"] != "auto" else ring_kernel(device, dtype)
         if v["decode"] == "async" and v["profile_kv"]:
             raise SettingsError(f"{source('profile_kv')} times each frame's denoise and decode in line, but "
                                 f"{source('decode')} decodes beside the generator; unset one of them",
@@ -368,6 +383,7 @@ class Settings:
         return cls(device=device, dtype=_DTYPES[dtype], seed=v["seed"], threads=v["threads"], decode=v["decode"],
                    compile=v["compile"] == "1", compile_background=v["compile"] == "auto", frame_graph=v["frame_graph"],
                    attn_backend=backend, attn_backend_decode="sdpa" if v["attn_sdpa_decode"] else backend,
+                   ring_attention=ring,
                    kv_cache=v["kv_cache"], profile_kv=v["profile_kv"],
                    profile_kv_first=v["profile_kv_first"], profile_kv_every=v["profile_kv_every"],
                    kv_recompute_every=v["kv_recompute_every"], kv_recompute_anchor=v["kv_recompute_anchor"],
@@ -399,7 +415,9 @@ class Settings:
                 + (f"decode=async({self.generator_threads}+{self.decode_threads}) " if self.decode == "async" else "")
                 + f"compile={self.compile_mode} "
                 + ("frame_graph=0 " if self.compile and not self.frame_graph else "")
-                + f"attn={self.attn_backend}/decode={self.attn_backend_decode} kv_cache={self.kv_cache} "
+                + f"attn={self.attn_backend}/decode={self.attn_backend_decode}"
+                + (f"/ring={self.ring_attention} " if self.kv_cache != "none" and self.kv.ring_mode == "inplace" else " ")
+                + f"kv_cache={self.kv_cache} "
                 + (f"[{self.kv.describe()}] " if self.kv_cache != "none" else "")
                 + (f"recompute_every={self.kv_recompute_every}({self.kv_recompute_anchor}) "
                    if self.kv_recompute_every else "")

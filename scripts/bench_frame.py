@@ -1,6 +1,6 @@
 """Milliseconds per frame of every path, side by side in one run: the original implementation's
 eager loop, the eager path, the compiled graph per block half, the model compiled whole (the
-default), and batched sessions.
+default, and beside it the other kernel of a frame's attention over the ring), and batched sessions.
 
     python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--sessions 1 2 4 8] [--original PATH] [--json out.json]
 
@@ -58,6 +58,7 @@ OURS = [("eager, int8 in-place", {**INT8, "OWL_COMPILE": "0"}),
         ("eager, bf16 roll (the original's layout)", {"OWL_RING_MODE": "roll", "OWL_COMPILE": "0"})]
 ORIGINAL = "original eager loop, roll cache"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 WALK = ([1.0, 0.0], [1] + [0] * 10)
 
 
@@ -68,8 +69,10 @@ class Ours:
         from inference.causvid_pipeline import CausvidPipeline
         from owl_wms.settings import without_kv
 
-        settings = path_settings(without_kv(world.inference), {**flags, "OWL_DEVICE": device})
-        self.name, self.dtype = name, dtype
+        settings = path_settings(without_kv(world.inference), {**flags, "OWL_DEVICE": device,
+                                                                "OWL_DTYPE": DTYPE_NAMES[dtype]})
+        self.name, self.dtype, self.ring = name, dtype, (settings.ring_attention
+                                                if settings.kv.ring_mode == "inplace" else None)
         self.pipe = CausvidPipeline(copy.deepcopy(model), copy.deepcopy(decoder), world,
                                     settings.replace(dtype=dtype), verbose=False)
         self.pipe.prefill(*history)
@@ -264,6 +267,10 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
         ours = [Ours(name, flags, model, decoder, world, history, dtype, args.device) for name, flags in OURS]
+        # the default beside the other kernel of a frame's attention over the ring (Settings.ring_attention)
+        other = "sdpa" if ours[2].ring == "matmul" else "matmul"
+        ours.append(Ours(f"{OURS[2][0]}, {other} ring", {**OURS[2][1], "OWL_RING_ATTENTION": other}, model, decoder,
+                         world, history, dtype, args.device))
         if classes is not None:  # the original's frames are decoded by this repo's eager path (uncompiled decoder)
             paths.append(Original(classes, model, ours[0] if decoder is not None else None, world, history, dtype,
                                   args.device))
@@ -299,7 +306,8 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
         ms = 1000 * statistics.median(calls[i])
         decode_ms = 1000 * statistics.median(decodes[i]) if decodes[i] else None
         original = next((r for r in rows if r["path"] == ORIGINAL and r["dtype"] == dtype_name), None)
-        rows.append({"model": label, "path": p.name, "dtype": dtype_name, "calls_ms": ms, "decode_ms": decode_ms,
+        rows.append({"model": label, "path": p.name, "dtype": dtype_name, "ring_attention": getattr(p, "ring", None),
+                     "calls_ms": ms, "decode_ms": decode_ms,
                      "end_to_end_ms": ms + decode_ms if decode_ms is not None else None,
                      "x_eager": reference / ms, "x_original": original["calls_ms"] / ms if original else None,
                      "x_floor": ms / floor_ms, "overhead_share": overhead_share(p, args.profile_frames, args.device),
@@ -308,13 +316,13 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
         print(f"{dtype_name}: frame FLOPs (two calls) {flops / 1e6:.0f} M; matmul rate {rate / 1e9:.1f} GFLOP/s: "
               f"floor {floor_ms:.2f} ms")
     print(f"x eager: against {OURS[0][0]} in {args.dtype[0]}; x original: against the original in the same dtype")
-    print(f"{'path':<42} {'dtype':>8} {'calls ms':>9} {'decode ms':>10} {'FPS':>6} {'x eager':>10} "
+    print(f"{'path':<48} {'dtype':>8} {'ring':>6} {'calls ms':>9} {'decode ms':>10} {'FPS':>6} {'x eager':>10} "
           f"{'x original':>11} {'x floor':>8} {'overhead':>9}")
     for r in rows:
         dec = f"{r['decode_ms']:.2f}" if r["decode_ms"] is not None else "-"
         fps = f"{1000 / r['end_to_end_ms']:.1f}" if r["end_to_end_ms"] else "-"
         x_orig = f"{r['x_original']:.2f}" if r["x_original"] else "-"
-        print(f"{r['path']:<42} {r['dtype']:>8} {r['calls_ms']:>9.2f} {dec:>10} {fps:>6} {r['x_eager']:>10.2f} "
+        print(f"{r['path']:<48} {r['dtype']:>8} {r['ring_attention'] or '-':>6} {r['calls_ms']:>9.2f} {dec:>10} {fps:>6} {r['x_eager']:>10.2f} "
               f"{x_orig:>11} {r['x_floor']:>8.1f} {100 * r['overhead_share']:>8.0f}%")
     sessions = session_rows(label, model, decoder, world, history, args)
     if args.device != "cpu":
@@ -339,7 +347,8 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
 
     if not args.sessions:
         return []
-    settings = path_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device})
+    settings = path_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device,
+                                                           "OWL_DTYPE": args.dtype[0]})
     dtype = DTYPES[args.dtype[0]]
     sync, batches = synchronizer(args.device), {}
     for n in args.sessions:
@@ -371,7 +380,8 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
     for n, (batch, controls) in batches.items():
         denoise_ms, decode_ms = (1000 * statistics.median(x[n]) for x in (denoise, decode))
         ms = denoise_ms + decode_ms if decoder is not None else denoise_ms
-        rows.append({"model": label, "sessions": n, "dtype": args.dtype[0], "denoise_ms": denoise_ms,
+        rows.append({"model": label, "sessions": n, "dtype": args.dtype[0], "ring_attention": settings.ring_attention,
+                     "denoise_ms": denoise_ms,
                      "step_ms": ms, "session_frame_ms": ms / n, "aggregate_fps": 1000 * n / ms,
                      "denoise_fps": 1000 * n / denoise_ms, "decoded": decoder is not None,
                      "page_faults_per_step": statistics.mean(faults[n]), "heap_kept": HEAP_KEPT,
@@ -380,7 +390,7 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
         r["x_one_session"] = r["aggregate_fps"] / rows[0]["aggregate_fps"]
         r["x_one_session_denoise"] = r["denoise_fps"] / rows[0]["denoise_fps"]
     what = "a step: denoise + decode" if decoder is not None else "a step: denoise only"
-    print(f"batched sessions, compiled whole, int8 in-place, {args.dtype[0]} ({what}):")
+    print(f"batched sessions, compiled whole, int8 in-place, {args.dtype[0]}, {settings.ring_attention} ring ({what}):")
     print(f"{'sessions':>9} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} {'session-frames/s':>17} "
           f"{'x one session':>14} {'x (denoise)':>12} {'faults/step':>12} {'attention':>10} {'matmuls':>8}")
     for r in rows:

@@ -448,6 +448,26 @@ def test_every_bf16_layout_reproduces_the_golden_decode(golden, env, backend):
     assert pipe.cache.get_offset(0) == int(g[f"dec.{golden_frames(g) - 1}.offset"])
 
 
+@pytest.mark.parametrize("ring", ["sdpa", "matmul"])
+def test_every_ring_kernel_reproduces_the_golden_decode(golden, ring, monkeypatch):
+    """A frame over the in-place ring, attended by either kernel (Settings.ring_attention), makes
+    the golden frames; the kernel asked for is the one that ran, at every layer of every call."""
+    from owl_wms import attention
+
+    calls = dict.fromkeys(attention.RING_KERNELS, 0)
+    for name, kernel in list(attention.RING_KERNELS.items()):
+        def counted(*args, name=name, kernel=kernel):
+            calls[name] += 1
+            return kernel(*args)
+        monkeypatch.setitem(attention.RING_KERNELS, name, counted)
+    g = golden["t"]
+    settings = fp32_settings(kv=kv(OWL_RING_MODE="inplace"), ring_attention=ring)
+    pipe = CausvidPipeline(golden["model"], None, tiny_world(golden["cfg"], golden["window"]), settings, verbose=False)
+    assert golden_error(golden_decode(pipe, g), g) <= TOL
+    assert calls[ring] == 2 * golden_frames(g) * golden["cfg"].n_layers
+    assert sum(calls.values()) == calls[ring], calls
+
+
 @pytest.mark.parametrize("env", [dict(OWL_KV_STORAGE="int8"), dict(OWL_FP8_KV=1, OWL_K_FP8=0),
                                  dict(OWL_KV_STORAGE="int4", OWL_KV_SCALE="channel"),
                                  dict(OWL_KV_STORAGE="int8", OWL_KV_SCALE="head", OWL_KV_EMA="0.5")], ids=str)

@@ -30,7 +30,8 @@ def test_sdpa_decode_alias():
 
 @pytest.mark.parametrize("flag,value", [("OWL_DTYPE", "fp64"), ("OWL_SEED", "-1"), ("OWL_COMPILE", "maybe"),
                                         ("OWL_ATTN_BACKEND", "xformers"), ("OWL_PROFILE_KV_EVERY", "0"),
-                                        ("OWL_DEVICE", "tpu"), ("OWL_TP_REDUCE", "mean")])
+                                        ("OWL_DEVICE", "tpu"), ("OWL_TP_REDUCE", "mean"),
+                                        ("OWL_RING_ATTENTION", "flash")])
 def test_malformed_values_name_flag_value_and_accepted(flag, value):
     with pytest.raises(SettingsError) as err:
         resolve_settings({}, environ={flag: value})
@@ -70,6 +71,27 @@ def test_the_app_prints_a_warning_as_one_line_naming_the_nearest_flag(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("warning: OWL_RING_MOD is not a known OWL_* flag and is ignored "
                                                    "(did you mean OWL_RING_MODE?)")
     assert "UserWarning" not in r.stderr and "resolve_settings(" not in r.stderr
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,device,dtype,kernel", [
+    (True, False, "cpu", "bf16", "matmul"),  # an AMD EPYC: SDPA without AMX tiles ran slower
+    (True, True, "cpu", "bf16", "sdpa"),  # an Intel Xeon with AMX
+    (False, False, "cpu", "bf16", "sdpa"),
+    (True, False, "cpu", "fp32", "sdpa"),
+    (True, False, "cuda", "bf16", "sdpa"),
+])
+def test_the_ring_kernel_follows_the_hardware_unless_chosen(monkeypatch, avx512_bf16, amx, device, dtype, kernel):
+    from owl_wms.settings import ring_kernel
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert ring_kernel(device, dtype) == kernel
+    if device == "cpu":
+        assert resolve_settings({}, environ={"OWL_DTYPE": dtype}).ring_attention == kernel
+    other = "sdpa" if kernel == "matmul" else "matmul"
+    s = resolve_settings({"ring_attention": other}, environ={"OWL_RING_MODE": "inplace"})
+    assert s.ring_attention == other and f"/ring={other} " in s.describe()  # the start-up line says which
+    assert "/ring=" not in resolve_settings({}, environ={"OWL_RING_MODE": "roll"}).describe()  # no ring read in place
 
 
 def test_settings_are_immutable():

@@ -46,6 +46,7 @@ class CompileJob:
     rows: tuple[int, ...]
     counts: tuple[int, ...]
     options: dict
+    ring_attention: str  # the frame call's ring kernel (Settings.ring_attention): traced into its graph
 
     def items(self) -> list[tuple[str, int, int]]:
         """(kind, batch size, threads) of each graph, in the order they are built."""
@@ -73,7 +74,8 @@ class CompileJob:
         digest.update(repr((torch.__version__, sorted(inductor.save_config_portable().items()), str(pick_vec_isa()),
                             type(module).__module__, type(module).__qualname__,
                             version(library) if library != "owl_wms" else "", self.device, str(self.dtype),
-                            self.cache_cfg, self.plans, self.options, kind, n, threads, shapes)).encode())
+                            self.cache_cfg, self.plans, self.options, self.ring_attention, kind, n, threads,
+                            shapes)).encode())
         return graph_folder() / f"{kind}-{digest.hexdigest()[:32]}.bin"
 
 

@@ -32,7 +32,7 @@ class ModelRunner:
         self.core = self.model.core
         if self.device.type == "cpu":  # one matmul for every block's conditioning (Transformer.fuse_modulations)
             self.core.transformer.fuse_modulations()
-        self.core.transformer.set_backends(s.attn_backend, s.attn_backend_decode)
+        self.core.transformer.set_backends(s.attn_backend, s.attn_backend_decode, s.ring_attention)
         self.kv_plan = plan_layers(self.cache_cfg, s.kv, self.window) if s.kv_cache != "none" else None
         self.ring_blocker = ring_blocker(self.kv_plan, s.kv.ring_mode)
         self.frame_call = self.core  # what runs a generated frame's call over the ring
@@ -94,7 +94,7 @@ class ModelRunner:
         counts = (torch.get_num_threads(), *(t for t in threads if t != torch.get_num_threads()))
         job = CompileJob(self.core, self.decoder.autoencoder if self.decoder is not None else None, self.cache_cfg,
                          self.kv_plan, str(self.device), self.dtype, tuple(rows), counts,
-                         self._graph_options())
+                         self._graph_options(), self.settings.ring_attention)
         self.background = BackgroundCompile(job, self._install_graph, self._take_over, log)
         return True
 
