@@ -139,8 +139,9 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
     if tp is not None and not tp.is_leader:
         return follow(lambda: build(args, tp))
     items = load_actions(args.actions, args.frames, seed=args.seed or 0)
-    frames_path = check_output_path(args.save_frames, suffix=".npy", flag="--save-frames") if args.save_frames else None
-    sheet_path = check_output_path(args.sheet, suffix=".png", flag="--sheet") if args.sheet else None
+    frames_path = check_output_path(args.save_frames, suffix=".npy", flag="--save-frames") \
+        if args.save_frames is not None else None
+    sheet_path = check_output_path(args.sheet, suffix=".png", flag="--sheet") if args.sheet is not None else None
     writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
     interrupted, error = False, None
     frame_seconds: list[float] = []  # each frame's denoise + decode (decoding beside: since the frame before)
@@ -252,8 +253,8 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
 
 def numbered(path: str | None, i: int) -> str | None:
     """``run.mp4`` -> ``run_3.mp4``: session i's output of a batched run."""
-    if path is None:
-        return None
+    if not path:  # none given, or an empty name that the output check refuses as such
+        return path
     p = Path(path)
     return str(p.with_name(f"{p.stem}_{i}{p.suffix}"))
 
@@ -277,9 +278,9 @@ def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
     n = args.sessions
     scripts = session_actions(args, n)
     frames_paths = [check_output_path(numbered(args.save_frames, i), suffix=".npy", flag="--save-frames")
-                    for i in range(n)] if args.save_frames else None
+                    for i in range(n)] if args.save_frames is not None else None
     sheet_paths = [check_output_path(numbered(args.sheet, i), suffix=".png", flag="--sheet")
-                   for i in range(n)] if args.sheet else None
+                   for i in range(n)] if args.sheet is not None else None
     writers = [Mp4Writer(numbered(args.out, i), fps=args.fps, scale=args.scale) for i in range(n)]
     interrupted, error, bar, shown = False, None, None, [[] for _ in range(n)]
     step_seconds, start = [], time.perf_counter()

@@ -29,6 +29,8 @@ class OutputWriteError(RuntimeError):
 def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out", need: int = 0) -> Path:
     """``path`` as a new output: its suffix, an existing writable folder, not a folder itself,
     and ``need`` bytes free there."""
+    if not str(path).strip():
+        raise OutputPathError(f"{flag} is empty; give a file name ending in {suffix}, e.g. 'out{suffix}'")
     path = Path(path)
     if path.suffix.lower() != suffix:
         raise OutputPathError(f"{flag} {str(path)!r} must end in {suffix}")

@@ -236,10 +236,12 @@ def overhead_share(path, frames: int, device) -> float:
 
 
 def op_shares(step, steps: int, device: str) -> dict[str, float | None]:
-    """Shares of the wall time of ``steps`` calls of ``step`` spent in attention (SDPA) and in
-    the matmuls (addmm, mm, bmm): the self times of those ATen ops (called eagerly or from a
-    compiled graph's wrapper; Inductor's own kernels fused around them are not counted), from
-    torch.profiler. On a GPU the host's times say nothing of the kernels': None there."""
+    """Shares of the wall time of ``steps`` calls of ``step`` spent in attention (SDPA, or the
+    batched matmuls of the ring's matmul kernel: bmm, which only attention calls) and in the
+    linear layers' matmuls (addmm, mm): the self times of those ATen ops (called eagerly or from a
+    compiled graph's wrapper; Inductor's own kernels fused around them, such as the matmul
+    kernel's softmax, are not counted), from torch.profiler. On a GPU the host's times say
+    nothing of the kernels': None there."""
     from torch.profiler import ProfilerActivity, profile
 
     if device != "cpu":
@@ -254,7 +256,8 @@ def op_shares(step, steps: int, device: str) -> dict[str, float | None]:
     def share(*names):
         return sum(e.self_cpu_time_total for e in ops if any(n in e.key for n in names)) / 1e6 / wall
 
-    return {"attention_share": share("scaled_dot_product"), "matmul_share": share("addmm", "mm_out", "aten::mm", "bmm")}
+    return {"attention_share": share("scaled_dot_product", "bmm"),
+            "matmul_share": share("addmm", "aoti_torch_cpu_mm_out", "aten::mm")}
 
 
 def run_model(label, model, decoder, world, args, classes) -> list[dict]:

@@ -97,13 +97,17 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
     assert all(a["dtype"] == "float32" and a["sdpa_us"] > 0 and a["matmul_us"] > 0 for a in report["attention"])
     assert [r["path"] for r in rows] == ["eager, int8 in-place", "compiled per block, int8 in-place",
                                          "compiled whole, int8 in-place", "compiled whole, bf16 in-place",
-                                         "eager, bf16 roll (the original's layout)"]
+                                         "eager, bf16 roll (the original's layout)",
+                                         "compiled whole, int8 in-place, matmul ring"]
+    # float32 rings attend by SDPA (auto); the default runs beside the other kernel; roll has no ring
+    assert [r["ring_attention"] for r in rows] == ["sdpa"] * 4 + [None, "matmul"]
     assert rows[0]["x_eager"] == 1.0 and all(r["x_original"] is None for r in rows)  # no --original given
     for r in rows:
         assert r["dtype"] == "float32" and r["calls_ms"] > 0 and r["decode_ms"] > 0 and r["floor_ms"] > 0
         assert r["end_to_end_ms"] == pytest.approx(r["calls_ms"] + r["decode_ms"]) and 0 <= r["overhead_share"] < 1
     sessions = report["sessions"]
     assert [r["sessions"] for r in sessions] == [1, 2] and sessions[0]["x_one_session"] == 1.0
+    assert all(r["ring_attention"] == "sdpa" for r in sessions)
     for r in sessions:
         assert r["step_ms"] > 0 and r["session_frame_ms"] == pytest.approx(r["step_ms"] / r["sessions"])
         assert r["aggregate_fps"] == pytest.approx(1000 * r["sessions"] / r["step_ms"]) and r["decoded"]

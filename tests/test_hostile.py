@@ -110,6 +110,9 @@ CASES = {
     "save-actions-headless": (["--save-actions", "s.jsonl"], {}, r"--save-actions is a window option"),
     # output paths, refused before any work
     "out-suffix": (lambda t: ["--out", str(t / "x.avi")], {}, r"--out '.*x\.avi' must end in \.mp4"),
+    "out-empty": (["--out", ""], {}, r"--out is empty; give a file name ending in \.mp4"),
+    "save-frames-empty": (["--save-frames", ""], {}, r"--save-frames is empty; give a file name ending in \.npy"),
+    "sheet-empty-batched": (["--sheet", "", "--sessions", "2"], {}, r"--sheet is empty; give a file name ending in \.png"),
     "out-missing-folder": (lambda t: ["--out", str(t / "no" / "x.mp4")], {}, r"output folder '.*no' does not exist"),
     "out-is-folder": (lambda t: (t / "d.mp4").mkdir() or ["--out", str(t / "d.mp4")], {}, r"--out '.*d\.mp4' is a folder"),
     "save-frames-suffix": (lambda t: ["--save-frames", str(t / "f.txt")], {}, r"--save-frames '.*f\.txt' must end in \.npy"),

@@ -77,27 +77,32 @@ def test_play_session_controls_record_and_replay_exactly(dummy_video, tmp_path):
 
     pipe = CausvidPipeline.from_checkpoint(verbose=False)
     opts = PlayOptions(scale=2, record=tmp_path / "rec.mp4", record_dir=tmp_path,
-                       save_actions=tmp_path / "a.jsonl", max_frames=14, sensitivity=2.0)
+                       save_actions=tmp_path / "a.jsonl", max_frames=16, sensitivity=2.0)
     key = lambda k: E(pygame.KEYDOWN, key=k)  # noqa: E731
+    # The generating thread runs up to 3 frames ahead of the frames shown (2 queued, 1 waiting), and
+    # a posted event is read on the window's next turn: a key held from frame 1's turn to frame 8's
+    # is held when frame 8 starts whatever the timing, and released before frame 16 starts.
     script = {
         1: [key(pygame.K_w), E(pygame.MOUSEMOTION, rel=(5, -2), pos=(0, 0), buttons=(0, 0, 0)), key(pygame.K_F1)],
         3: [key(pygame.K_F11), key(pygame.K_F5), key(pygame.K_F12)],
-        5: [E(pygame.KEYUP, key=pygame.K_w), key(pygame.K_F6), key(pygame.K_F4)],
-        8: [key(pygame.K_F4)],
+        5: [key(pygame.K_F6)],
+        8: [E(pygame.KEYUP, key=pygame.K_w)],
+        9: [key(pygame.K_F4)],
+        12: [key(pygame.K_F4)],
     }
     game = ScriptedGame.make(pipe, opts, script)
     assert game.run() == 0
     lines = read_lines(tmp_path / "a.jsonl")
     frames = [x for x in lines if "mouse" in x]
     events = [x["event"] for x in lines if "event" in x]
-    assert len(frames) == 14 and game.frames_shown == 14
+    assert len(frames) == 16 and game.frames_shown == 16
     assert any(f["mouse"] == [10.0, -4.0] for f in frames)  # motion x sensitivity 2, once
     assert any(f["buttons"][0] == 1 for f in frames) and frames[-1]["buttons"][0] == 0
     assert events == ["restart", "clip", "ground_truth", "ground_truth"]
     assert game.overlay == "full" and game.controls.sensitivity == 2.5  # F1: compact -> full
     shot = game.screenshots[0]
     assert shot.is_file() and pygame.image.load(str(shot)).get_size() == (128, 128)
-    assert count_frames(tmp_path / "rec.mp4") == 14
+    assert count_frames(tmp_path / "rec.mp4") == 16
     # the saved actions (with their events) re-render headless to the very same frames
     r = subprocess.run([sys.executable, "-m", "inference.game_cv", "--headless", "--actions",
                         str(tmp_path / "a.jsonl"), "--scale", "2", "--out", str(tmp_path / "replay.mp4")],
