@@ -109,12 +109,12 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.flo
            "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
 
 
-def ring_kernel(device: str, dtype: str) -> str:
+def ring_kernel(device: str, dtype: torch.dtype) -> str:
     """The faster kernel of a frame's attention over the in-place ring on this hardware
     (docs/results.md, Ring attention): matmul-softmax-matmul in bf16 on a CPU with AVX512-BF16
     but no AMX (an AMD EPYC), whose SDPA runs without AMX tiles; SDPA elsewhere (on an Intel Xeon
     with AMX it ran faster, as it does in fp32 and on CUDA)."""
-    cpu_bf16 = device.startswith("cpu") and dtype == "bf16"
+    cpu_bf16 = device.startswith("cpu") and dtype == torch.bfloat16
     return "matmul" if cpu_bf16 and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported() \
         else "sdpa"
 
@@ -375,7 +375,7 @@ class Settings:
             # reference that made a CUDA frame ~10x slower than SDPA (measured on an H100).
             backend = "flex" if device.startswith("cuda") and v["compile"] == "1" else "sdpa"
         dtype = v["dtype"] if v["dtype"] != "auto" else "bf16" if native_bf16(device) else "fp32"
-        ring = v["ring_attention"] if v["ring_attention"] != "auto" else ring_kernel(device, dtype)
+        ring = v["ring_attention"] if v["ring_attention"] != "auto" else ring_kernel(device, _DTYPES[dtype])
         if v["decode"] == "async" and v["profile_kv"]:
             raise SettingsError(f"{source('profile_kv')} times each frame's denoise and decode in line, but "
                                 f"{source('decode')} decodes beside the generator; unset one of them",

@@ -24,9 +24,22 @@ from .servers import Player, Server
 FP32 = {"OWL_DTYPE": "fp32"}
 # A session's frames in a batch are its frames alone up to float rounding: the batched matmuls sum
 # in another order, and the shipped int8 cache can store a value at a rounding tie one code step
-# away (tests/test_sessions.py). Measured on the shipped world in float32, two pages over about 60
-# frames: at most 1 level.
-FRAME_TOLERANCE = 4  # uint8 levels, max over pixels
+# away (tests/test_sessions.py). A rollout compounds that rounding: in float32 on the shipped world,
+# two pages over about 60 frames differed by at most 1 level on an Intel Xeon; on an AMD EPYC a
+# frame's largest pixel difference grew to 6 levels by frame 70 while its mean stayed under 0.25.
+FRAME_TOLERANCE = 4  # uint8 levels, the largest over a frame's pixels, over a session's first frames
+FIRST_FRAMES = 16  # ... this many (the engine's tolerance is stated over 16 frames)
+DRIFT_TOLERANCE = 1.0  # uint8 levels, the mean over a frame's pixels, at every frame: the same picture
+
+
+def assert_frames_alone(shown: dict, want: np.ndarray, what) -> None:
+    """Frames ``shown`` {index: image} (index 1: the session's first) are those of a run alone,
+    ``want``, within the rounding a batch may add: another player's input, or a session's own
+    input lost, changes a frame by far more."""
+    for index, image in sorted(shown.items()):
+        diff = np.abs(image.astype(int) - want[index - 1].astype(int))
+        assert diff.mean() <= DRIFT_TOLERANCE, (what, index, diff.mean())
+        assert index > FIRST_FRAMES or diff.max() <= FRAME_TOLERANCE, (what, index, diff.max())
 
 
 def alone(tmp_path, seed: int, actions, frames: int, name: str, start=("--clip", "0")) -> np.ndarray:
@@ -58,15 +71,14 @@ def play_with_a_restart(players, frames: int, restart_at: int, mouse) -> None:
 
 
 def assert_frames_of_runs_alone(tmp_path, players, first_seed: int, least: int) -> None:
-    """Page i (seed ``first_seed`` + i) got at least ``least`` frames, each within FRAME_TOLERANCE
-    of a headless run of its session's saved actions alone."""
+    """Page i (seed ``first_seed`` + i) got at least ``least`` frames, each within the tolerance
+    of a headless run of its session's saved actions alone (``assert_frames_alone``)."""
     for i, p in enumerate(players):
         actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
         made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
         assert made >= len(p.frames) >= least  # frames made while a page closed were never read
         want = alone(tmp_path, first_seed + i, str(actions), made, f"p{i}")
-        worst = max(np.abs(image.astype(int) - want[k - 1].astype(int)).max() for k, _, _, image in p.frames)
-        assert worst <= FRAME_TOLERANCE, (i, worst)
+        assert_frames_alone({k: image for k, _, _, image in p.frames}, want, i)
 
 # (message, the error code it gets) on a session that said hello
 HOSTILE = [
@@ -205,8 +217,7 @@ def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_
     shown = {index: image for index, _, _, image in good.frames if index <= 160}  # a slow reader skips some
     assert len(shown) >= 40
     want = alone(tmp_path, 21, [([0.0, 0.0], [0] * 11)] * max(shown), max(shown), "good")
-    worst = max(np.abs(image.astype(int) - want[index - 1].astype(int)).max() for index, image in shown.items())
-    assert worst <= FRAME_TOLERANCE
+    assert_frames_alone(shown, want, "the good player")
 
 
 def cpu_seconds(pid: int) -> float:

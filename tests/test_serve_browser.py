@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from .servers import Server
-from .test_serve import FP32, FRAME_TOLERANCE, alone
+from .test_serve import FP32, alone, assert_frames_alone
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 FIREFOX = shutil.which("firefox-esr") or shutil.which("firefox")
@@ -108,9 +108,7 @@ def test_two_browsers_play_their_own_sessions_and_a_third_hears_the_server_is_fu
         assert any(line["buttons"][held[seed]] == 1 for line in lines), "the key press never reached a frame"
         want = alone(tmp_path, seed, str(logs[seed].with_suffix(".jsonl")), len(lines), f"alone{seed}", start)
         assert len(samples[seed]) >= 8
-        worst = max(np.abs(image.astype(int) - want[index - 1].astype(int)).max()
-                    for index, image in samples[seed].items())
-        assert worst <= FRAME_TOLERANCE, (seed, worst)
+        assert_frames_alone(samples[seed], want, seed)
 
 
 def firefox(log: Path):
@@ -163,5 +161,4 @@ def test_firefox_plays_the_page_and_its_frames_are_a_headless_runs(tmp_path):
     assert any(line["buttons"][0] == 1 for line in lines), "the W press never reached a frame"
     want = alone(tmp_path, 34, str(log.with_suffix(".jsonl")), len(lines), "alone34")
     assert len(samples) >= 8
-    worst = max(np.abs(image.astype(int) - want[index - 1].astype(int)).max() for index, image in samples.items())
-    assert worst <= FRAME_TOLERANCE, worst
+    assert_frames_alone(samples, want, 34)
