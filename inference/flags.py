@@ -83,7 +83,9 @@ def with_threads(settings: Settings, ranks: int = 1) -> Settings:
         settings = settings.replace(threads=max(1, auto))
     elif settings.threads * ranks > (cores := physical_cores()):
         # more threads than cores spin against each other: 1000 on 2 cores measured 0.28 FPS against about 25
-        warnings.warn(f"OWL_THREADS={settings.threads} gives {settings.threads * ranks} threads to this machine's "
+        said = (f"OWL_THREADS={settings.threads}" if os.environ.get("OWL_THREADS", "").strip()
+                else f"config inference.threads={settings.threads}")  # the flag, or else the config, set it
+        warnings.warn(f"{said} gives {settings.threads * ranks} threads to this machine's "
                       f"{cores} physical cores; frames slow down many times over: use at most {max(1, cores // ranks)} "
                       "(or unset it: threads then follow the free cores)", stacklevel=2)
     torch.set_num_threads(settings.generator_threads)  # OWL_DECODE=async: one goes to the decoding thread

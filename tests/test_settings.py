@@ -189,15 +189,19 @@ def test_threads_follow_the_cores_other_processes_leave_free():
         torch.set_num_threads(before)
 
 
-def test_more_threads_than_cores_are_kept_with_a_warning_naming_the_cores():
+def test_more_threads_than_cores_are_kept_with_a_warning_naming_the_cores(monkeypatch):
     from inference.flags import physical_cores, with_threads
 
     before = torch.get_num_threads()
     cores = physical_cores()
     try:
+        monkeypatch.setenv("OWL_THREADS", str(cores + 1))
         with pytest.warns(UserWarning, match=rf"OWL_THREADS={cores + 1} gives {cores + 1} threads to this machine's "
                                              rf"{cores} physical cores; .* use at most {cores}"):
             assert with_threads(Settings(threads=cores + 1)).threads == cores + 1
+        monkeypatch.delenv("OWL_THREADS")  # the count came from a config: the warning names it
+        with pytest.warns(UserWarning, match=rf"config inference.threads={cores + 1} gives {cores + 1} threads"):
+            with_threads(Settings(threads=cores + 1))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with_threads(Settings(threads=cores))  # as many as the cores: no warning
