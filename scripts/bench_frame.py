@@ -1,6 +1,7 @@
 """Milliseconds per frame of every path, side by side in one run: the original implementation's
 eager loop, the eager path, the compiled graph per block half, the model compiled whole (the
-default, and beside it the other kernel of a frame's attention over the ring), and batched sessions.
+default, and beside it and the eager path the other kernel of a frame's attention over the ring),
+and batched sessions.
 
     python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--sessions 1 2 4 8] [--original PATH] [--json out.json]
 
@@ -270,10 +271,11 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
         ours = [Ours(name, flags, model, decoder, world, history, dtype, args.device) for name, flags in OURS]
-        # the default beside the other kernel of a frame's attention over the ring (Settings.ring_attention)
+        # the default, compiled and eager, beside the other kernel of a frame's attention over the
+        # ring (Settings.ring_attention)
         other = "sdpa" if ours[2].ring == "matmul" else "matmul"
-        ours.append(Ours(f"{OURS[2][0]}, {other} ring", {**OURS[2][1], "OWL_RING_ATTENTION": other}, model, decoder,
-                         world, history, dtype, args.device))
+        ours += [Ours(f"{OURS[i][0]}, {other} ring", {**OURS[i][1], "OWL_RING_ATTENTION": other}, model, decoder,
+                      world, history, dtype, args.device) for i in (2, 0)]
         if classes is not None:  # the original's frames are decoded by this repo's eager path (uncompiled decoder)
             paths.append(Original(classes, model, ours[0] if decoder is not None else None, world, history, dtype,
                                   args.device))

@@ -24,12 +24,13 @@ from .servers import Player, Server
 FP32 = {"OWL_DTYPE": "fp32"}
 # A session's frames in a batch are its frames alone up to float rounding: the batched matmuls sum
 # in another order, and the shipped int8 cache can store a value at a rounding tie one code step
-# away (tests/test_sessions.py). A rollout compounds that rounding: in float32 on the shipped world,
-# two pages over about 60 frames differed by at most 1 level on an Intel Xeon; on an AMD EPYC a
-# frame's largest pixel difference grew to 6 levels by frame 70 while its mean stayed under 0.25.
-FRAME_TOLERANCE = 4  # uint8 levels, the largest over a frame's pixels, over a session's first frames
-FIRST_FRAMES = 16  # ... this many (the engine's tolerance is stated over 16 frames)
+# away (tests/test_sessions.py).
+# A rollout compounds that rounding: in float32 on the shipped world, two pages over about 60 frames
+# differed by at most 1 level on an Intel Xeon; on an AMD EPYC a frame's largest pixel difference
+# reached 6 levels by frame 14 and 9 within 160 frames, while each frame's mean difference stayed under
+# 0.25 levels. Another session's controls, or this one's lost, change whole frames.
 DRIFT_TOLERANCE = 1.0  # uint8 levels, the mean over a frame's pixels, at every frame: the same picture
+FRAME_TOLERANCE = 16  # uint8 levels, the largest over a frame's pixels: no part of it wrong
 
 
 def assert_frames_alone(shown: dict, want: np.ndarray, what) -> None:
@@ -38,8 +39,7 @@ def assert_frames_alone(shown: dict, want: np.ndarray, what) -> None:
     input lost, changes a frame by far more."""
     for index, image in sorted(shown.items()):
         diff = np.abs(image.astype(int) - want[index - 1].astype(int))
-        assert diff.mean() <= DRIFT_TOLERANCE, (what, index, diff.mean())
-        assert index > FIRST_FRAMES or diff.max() <= FRAME_TOLERANCE, (what, index, diff.max())
+        assert diff.mean() <= DRIFT_TOLERANCE and diff.max() <= FRAME_TOLERANCE, (what, index, diff.mean(), diff.max())
 
 
 def alone(tmp_path, seed: int, actions, frames: int, name: str, start=("--clip", "0")) -> np.ndarray:
