@@ -83,7 +83,7 @@ def with_threads(settings: Settings, ranks: int = 1) -> Settings:
         settings = settings.replace(threads=max(1, auto))
     elif settings.threads * ranks > (cores := physical_cores()):
         # more threads than cores spin against each other: 1000 on 2 cores measured 0.28 FPS against about 25
-        said = (f"OWL_THREADS={settings.threads}" if os.environ.get("OWL_THREADS", "").strip()
+        said = (f"{FLAGS['threads']}={settings.threads}" if os.environ.get(FLAGS["threads"], "").strip()
                 else f"config inference.threads={settings.threads}")  # the flag, or else the config, set it
         warnings.warn(f"{said} gives {settings.threads * ranks} threads to this machine's "
                       f"{cores} physical cores; frames slow down many times over: use at most {max(1, cores // ranks)} "

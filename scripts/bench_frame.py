@@ -75,7 +75,7 @@ class Ours:
         self.name, self.dtype, self.ring = name, dtype, (settings.ring_attention
                                                 if settings.kv.ring_mode == "inplace" else None)
         self.pipe = CausvidPipeline(copy.deepcopy(model), copy.deepcopy(decoder), world,
-                                    settings.replace(dtype=dtype), verbose=False)
+                                    settings, verbose=False)
         self.pipe.prefill(*history)
 
     def frame(self):
@@ -354,10 +354,9 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
         return []
     settings = path_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device,
                                                            "OWL_DTYPE": args.dtype[0]})
-    dtype = DTYPES[args.dtype[0]]
     sync, batches = synchronizer(args.device), {}
     for n in args.sessions:
-        batch = Sessions(copy.deepcopy(model), copy.deepcopy(decoder), world, settings.replace(dtype=dtype),
+        batch = Sessions(copy.deepcopy(model), copy.deepcopy(decoder), world, settings,
                          capacity=n, verbose=False)
         pipes = [batch.open(seed=i, clip=None) for i in range(n)]
         for pipe in pipes:
