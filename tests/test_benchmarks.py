@@ -98,9 +98,10 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
     assert [r["path"] for r in rows] == ["eager, int8 in-place", "compiled per block, int8 in-place",
                                          "compiled whole, int8 in-place", "compiled whole, bf16 in-place",
                                          "eager, bf16 roll (the original's layout)",
+                                         "compiled whole in this process (OWL_COMPILE=1), int8 in-place",
                                          "compiled whole, int8 in-place, matmul ring", "eager, int8 in-place, matmul ring"]
     # float32 rings attend by SDPA (auto); the default and eager run beside the other kernel; roll has no ring
-    assert [r["ring_attention"] for r in rows] == ["sdpa"] * 4 + [None, "matmul", "matmul"]
+    assert [r["ring_attention"] for r in rows] == ["sdpa"] * 4 + [None, "sdpa", "matmul", "matmul"]
     assert rows[0]["x_eager"] == 1.0 and all(r["x_original"] is None for r in rows)  # no --original given
     for r in rows:
         assert r["dtype"] == "float32" and r["calls_ms"] > 0 and r["decode_ms"] > 0 and r["floor_ms"] > 0

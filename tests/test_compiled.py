@@ -265,6 +265,13 @@ def test_the_background_compile_never_traces_in_the_players_process_and_gives_th
     eager_calls = auto.frame_calls
     assert torch.equal(play(auto, WINDOW + 2), play(compiled, WINDOW + 2))
     assert auto.frame_calls == eager_calls  # no call fell back to the eager frame call
+    # the kept graph checks only its tensors' guards (precompile.tensor_guards), and those still
+    # refuse a call it was not built for: another batch's cache and inputs run eagerly instead
+    graph = auto.runner.graphs[(1, torch.get_num_threads())]
+    cfg = auto.cfg
+    x = torch.zeros(2, 1, cfg.channels, cfg.sample_size, cfg.sample_size)
+    assert graph(x, x.new_ones(2, 1), x.new_zeros(2, 1, 2), x.new_zeros(2, 1, 11),
+                 kv_cache=auto.runner.new_cache(rows=2)) is None
     # a later start loads the kept graph: no compile process, and the same frames
     again = pipeline("int8", False, model=model, compile_background=True)
     assert again.runner.compile_in_background((1,), log=logs.append)
@@ -307,3 +314,30 @@ def test_kept_graphs_unused_for_a_month_are_pruned(tmp_path):
     os.utime(old, (month_ago, month_ago))
     assert prune_graphs(tmp_path) == 1 and not old.exists() and recent.exists()
     assert prune_graphs(tmp_path / "missing") == 0
+
+
+def test_a_kept_graph_is_named_by_what_it_was_built_from():
+    """A frame graph's file name changes with the cache's plan and the ring's kernel, a decoder
+    graph's does not (one decoder graph serves every KV mode); both change with the Inductor
+    settings the job carries, which are the app process's when the job was made, not the
+    settings of the process that asks (the compile process builds with the job's)."""
+    import dataclasses
+
+    from torch._inductor import config as inductor
+
+    from owl_wms.engine.precompile import CompileJob
+
+    pipe = pipeline("int8", False)
+    runner = pipe.runner
+    job = CompileJob(runner.core, torch.nn.Conv2d(4, 3, 1), runner.cache_cfg, runner.kv_plan, "cpu", torch.float32,
+                     (1,), (1,), {}, "sdpa", inductor.save_config_portable())
+    other_ring, other_plan = dataclasses.replace(job, ring_attention="matmul"), dataclasses.replace(job, plans=[])
+    other_inductor = dataclasses.replace(job, inductor_config={**job.inductor_config, "cpp.simdlen": 256})
+    assert job.path("frame", 1, 1) not in {other_ring.path("frame", 1, 1), other_plan.path("frame", 1, 1)}
+    assert job.path("decode", 1, 1) == other_ring.path("decode", 1, 1) == other_plan.path("decode", 1, 1)
+    assert job.path("decode", 2, 1) != job.path("decode", 1, 1) != job.path("decode", 1, 2)
+    assert other_inductor.path("frame", 1, 1) != job.path("frame", 1, 1)
+    assert other_inductor.path("decode", 1, 1) != job.path("decode", 1, 1)
+    named = job.path("frame", 1, 1)
+    with inductor.patch({"cpp.enable_kernel_profile": not inductor.cpp.enable_kernel_profile}):
+        assert job.path("frame", 1, 1) == named

@@ -80,6 +80,8 @@ class ModelRunner:
         call cannot be one graph (the eager or per-block path stays)."""
         if self.graph_blocker is not None or self.compiled is not None or self.background is not None:
             return False
+        from torch._inductor import config as inductor
+
         from .precompile import BackgroundCompile, CompileJob
 
         try:  # the compile process reads the weights from shared memory: moved there now, before any
@@ -94,7 +96,7 @@ class ModelRunner:
         counts = (torch.get_num_threads(), *(t for t in threads if t != torch.get_num_threads()))
         job = CompileJob(self.core, self.decoder.autoencoder if self.decoder is not None else None, self.cache_cfg,
                          self.kv_plan, str(self.device), self.dtype, tuple(rows), counts,
-                         self._graph_options(), self.settings.ring_attention)
+                         self._graph_options(), self.settings.ring_attention, inductor.save_config_portable())
         self.background = BackgroundCompile(job, self._install_graph, self._take_over, log)
         return True
 
