@@ -85,7 +85,6 @@ class Ours:
         if settings.compile_background:
             compile_kept(self.pipe.runner, 1, lambda: self.decode(self.frame()))
 
-
     def frame(self):
         return self.pipe.generate(*WALK)
 

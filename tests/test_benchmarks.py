@@ -88,7 +88,7 @@ def tiny2(tmp_path_factory):
 
 def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path, tiny2):
     out = bench("bench_frame", "--checkpoint", tiny2, "--frames", 1, "--warmup", 1, "--profile-frames", 1,
-                "--prod-layers", 0, "--dtype", "fp32", "--sessions", 1, 2, "--json", tmp_path / "frame.json")
+                "--prod-layers", 0, "--dtype", "fp32", "--sessions", 1, "--json", tmp_path / "frame.json")
     assert f"world untrained-tiny ({tiny2}): " in out, out
     report = json.loads((tmp_path / "frame.json").read_text())
     rows = report["rows"]
@@ -107,7 +107,8 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
         assert r["dtype"] == "float32" and r["calls_ms"] > 0 and r["decode_ms"] > 0 and r["floor_ms"] > 0
         assert r["end_to_end_ms"] == pytest.approx(r["calls_ms"] + r["decode_ms"]) and 0 <= r["overhead_share"] < 1
     sessions = report["sessions"]
-    assert [r["sessions"] for r in sessions] == [1, 2] and sessions[0]["x_one_session"] == 1.0
+    # one batch size: another would compile its own graphs (the sessions tests run several)
+    assert [r["sessions"] for r in sessions] == [1] and sessions[0]["x_one_session"] == 1.0
     assert all(r["ring_attention"] == "sdpa" for r in sessions)
     for r in sessions:
         assert r["step_ms"] > 0 and r["session_frame_ms"] == pytest.approx(r["step_ms"] / r["sessions"])
