@@ -3,7 +3,9 @@ eager loop, the eager path, the compiled graph per block half, the model compile
 default, and beside it and the eager path the other kernel of a frame's attention over the ring),
 and batched sessions. The model compiled whole runs as the apps run it: its graphs compiled in a
 background process and kept for the next start (this waits for them: minutes the first time),
-beside the same compiled in this process before the first frame (``OWL_COMPILE=1``).
+beside the same compiled in this process before the first frame (``OWL_COMPILE=1``). Every graph
+here carries Inductor's kernel-profiling hooks, so torch.profiler sees its kernels; the apps'
+graphs do not (a graph is kept per Inductor setting, so these are compiled apart from theirs).
 
     python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--sessions 1 2 4 8] [--original PATH] [--json out.json]
 
@@ -373,7 +375,7 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
     """B sessions of the default (compiled whole, int8 in-place) at once, for each B of
     ``args.sessions``: ms per batched step (a frame of every session, decoded with the decoder
     when there is one), per session-frame, and the aggregate rate as a ratio to B = 1's."""
-    from owl_wms.engine.sessions import Sessions
+    from owl_wms.engine.sessions import Sessions, batch_rows
     from owl_wms.settings import without_kv
 
     if not args.sessions:
@@ -388,7 +390,7 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
         for pipe in pipes:
             pipe.prefill(*history)
         batches[n] = (batch, {pipe: WALK for pipe in pipes})
-        compile_kept(batch.runner, n, functools.partial(step_and_decode, batch, batches[n][1]))
+        compile_kept(batch.runner, batch_rows(n), functools.partial(step_and_decode, batch, batches[n][1]))
         for _ in range(args.warmup):
             step_and_decode(batch, batches[n][1])
     denoise, decode, faults = ({n: [] for n in batches} for _ in range(3))

@@ -318,7 +318,8 @@ def test_kept_graphs_unused_for_a_month_are_pruned(tmp_path):
 
 def test_a_kept_graph_is_named_by_what_it_was_built_from():
     """A frame graph's file name changes with the cache's plan and the ring's kernel, a decoder
-    graph's does not (one decoder graph serves every KV mode); both change with the Inductor
+    graph's does not (one decoder graph serves every KV mode) but changes with the decoder's own
+    settings, which its weights' shapes do not show; both change with the Inductor
     settings the job carries, which are the app process's when the job was made, not the
     settings of the process that asks (the compile process builds with the job's)."""
     import dataclasses
@@ -336,6 +337,10 @@ def test_a_kept_graph_is_named_by_what_it_was_built_from():
     assert job.path("frame", 1, 1) not in {other_ring.path("frame", 1, 1), other_plan.path("frame", 1, 1)}
     assert job.path("decode", 1, 1) == other_ring.path("decode", 1, 1) == other_plan.path("decode", 1, 1)
     assert job.path("decode", 2, 1) != job.path("decode", 1, 1) != job.path("decode", 1, 2)
+    relu, silu = torch.nn.Conv2d(4, 3, 1), torch.nn.Conv2d(4, 3, 1)
+    relu.config, silu.config = {"act_fn": "relu"}, {"act_fn": "silu"}  # as a diffusers model's config
+    assert (dataclasses.replace(job, autoencoder=relu).path("decode", 1, 1)
+            != dataclasses.replace(job, autoencoder=silu).path("decode", 1, 1))
     assert other_inductor.path("frame", 1, 1) != job.path("frame", 1, 1)
     assert other_inductor.path("decode", 1, 1) != job.path("decode", 1, 1)
     named = job.path("frame", 1, 1)

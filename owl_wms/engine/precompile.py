@@ -86,12 +86,15 @@ class CompileJob:
         shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.state_dict().items()]
         library = type(module).__module__.split(".")[0]
         # the cache's shape and plan and the ring's kernel are the frame call's alone: one decoder
-        # graph serves every KV mode
-        frame = (self.cache_cfg, self.plans, self.ring_attention) if kind == "frame" else ()
+        # graph serves every KV mode. The decoder's own settings (a diffusers config: activations,
+        # group counts, upsampling) shape its graph without showing in its weights' shapes.
+        cfg = self.cache_cfg
+        built_for = ((cfg, self.plans, self.ring_attention) if kind == "frame"
+                     else (sorted(dict(getattr(module, "config", {})).items()), cfg.channels, cfg.sample_size))
         digest.update(repr((torch.__version__, sorted(self.inductor_config.items()), str(pick_vec_isa()),
                             type(module).__module__, type(module).__qualname__,
                             version(library) if library != "owl_wms" else "", self.device, str(self.dtype),
-                            *frame, self.options, kind, n, threads, shapes)).encode())
+                            *built_for, self.options, kind, n, threads, shapes)).encode())
         return graph_folder() / f"{kind}-{digest.hexdigest()[:32]}.bin"
 
 
@@ -196,15 +199,20 @@ def compile_graphs(job: CompileJob, items: list[tuple[str, int, int]], conn) -> 
             options = {**job.options, "guard_filter_fn": tensor_guards}
             graph = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile(example)
             graph.save_compiled_function(str(path), external_data={"module": module})  # written atomically
-            conn.send(("built", kind, n, threads))
-    except (BrokenPipeError, EOFError):  # the app ended first: nobody is left to tell
-        pass
+            if not tell(conn, ("built", kind, n, threads)):
+                return
     except Exception as exc:  # noqa: BLE001 - the app's frames go on eagerly; it says why
-        try:
-            conn.send(("error", reason(exc), 0, 0))
-        except (BrokenPipeError, EOFError):
-            pass
+        tell(conn, ("error", reason(exc), 0, 0))
     conn.close()
+
+
+def tell(conn, message) -> bool:
+    """Sends the app a message; False when the app has ended (nobody is left to tell)."""
+    try:
+        conn.send(message)
+        return True
+    except (BrokenPipeError, EOFError):
+        return False
 
 
 class BackgroundCompile:
