@@ -25,6 +25,7 @@ EVENTS = {"restart": (), "clip": ("clip",), "world_seed": ("seed",), "ground_tru
           "snapshot": (), "restore": ()}
 
 MOUSE_MAX = 1e6  # a frame's |dx|, |dy| in an action file: far past any turn, and finite as the model's float32
+MAX_FRAMES = 100_000  # a run's frames: about 2 hours at 15 FPS; the action list is built up front
 
 
 def _press(*names: str) -> list[int]:
@@ -95,7 +96,10 @@ def is_event(item) -> bool:
     return isinstance(item, dict)
 
 
-def read_action_file(path: str | Path) -> list:
+def read_action_file(path: str | Path, clips: int | None = None) -> list:
+    """The frames and events of a JSON-lines file, each line checked, and the events' order:
+    a restore needs a snapshot before it, and a clip index must be one of the world's ``clips``
+    (when known)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"action file {str(path)!r} " + ("is a folder" if path.is_dir() else "does not exist")
@@ -104,7 +108,7 @@ def read_action_file(path: str | Path) -> list:
         text = path.read_text()
     except UnicodeDecodeError:
         raise ValueError(f"action file {str(path)!r} is not a text file of JSON lines") from None
-    items = []
+    items, snapshot = [], False
     for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -114,7 +118,16 @@ def read_action_file(path: str | Path) -> list:
             raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
         except RecursionError:
             raise ValueError(f"{path}:{i}: JSON nested too deeply for an action") from None
-        items.append(parse_action(obj, f"{path}:{i}"))
+        item = parse_action(obj, f"{path}:{i}")
+        if is_event(item):
+            snapshot |= item["event"] == "snapshot"
+            if item["event"] == "restore" and not snapshot:
+                raise ValueError(f"{path}:{i}: a restore event before any snapshot event; add "
+                                 '{"event": "snapshot"} before it')
+            if item["event"] == "clip" and clips is not None and item["clip"] >= clips:
+                raise ValueError(f"{path}:{i}: clip {item['clip']} does not exist: this world has {clips} clips"
+                                 + (f" (0 to {clips - 1})" if clips else ""))
+        items.append(item)
     if not any(not is_event(x) for x in items):
         raise ValueError(f"action file {str(path)!r} holds no frames")
     return items
@@ -156,9 +169,10 @@ def apply_event(pipe, event: dict):
         pipe.ground_truth = bool(event["on"])
 
 
-def load_actions(spec: str, frames: int | None, seed: int = 0) -> list:
-    """``spec``: a built-in name (``random`` or ``random:SEED``) or a JSON-lines file.
-    Returns frames and (for files) events, cut after ``frames`` frames."""
+def load_actions(spec: str, frames: int | None, seed: int = 0, clips: int | None = None) -> list:
+    """``spec``: a built-in name (``random`` or ``random:SEED``) or a JSON-lines file (its clip
+    events checked against the world's ``clips`` when known). Returns frames and (for files)
+    events, cut after ``frames`` frames."""
     name, _, arg = spec.partition(":")
     if name in BUILTIN:
         if arg and (name != "random" or not arg.isdigit()):
@@ -168,9 +182,12 @@ def load_actions(spec: str, frames: int | None, seed: int = 0) -> list:
     if not path.is_file():
         raise ValueError(f"--actions {spec!r} is neither a built-in script ({', '.join(BUILTIN)}) "
                          "nor an existing JSON-lines file")
-    items = read_action_file(path)
+    items = read_action_file(path, clips)
     n = sum(not is_event(x) for x in items)
     if frames is None:
+        if n > MAX_FRAMES:
+            raise ValueError(f"action file {spec!r} has {n} frames of actions; a run makes at most {MAX_FRAMES}: "
+                             f"pass --frames {MAX_FRAMES} or fewer")
         return items
     if frames > n:
         raise ValueError(f"action file {spec!r} has {n} frames of actions but {frames} frames were asked; "

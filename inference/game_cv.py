@@ -23,7 +23,7 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
     if not {"-h", "--help"} & set(sys.argv):
         print("[owl] starting ...", flush=True)
 
-from owl_wms.clips import load_clip  # noqa: E402
+from owl_wms.clips import is_clip_index, load_clip, world_clips  # noqa: E402
 from owl_wms.config import ConfigError, WorldConfig, load_world  # noqa: E402
 from owl_wms.engine import CausvidPipeline, LifecycleError  # noqa: E402
 from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError  # noqa: E402
@@ -31,15 +31,17 @@ from owl_wms.maze.worlds import check_simulator, load_level  # noqa: E402
 from owl_wms.parallel import ParallelContext, TPError, check_heads, is_collective_error  # noqa: E402
 from owl_wms.settings import Settings, SettingsError  # noqa: E402
 
-from .actions import BUILTIN  # noqa: E402
+from .actions import BUILTIN, MAX_FRAMES, is_event, load_actions  # noqa: E402
 from .cores import CoreBudget  # noqa: E402
 from .flags import flag_message, resolve_settings, warnings_as_lines, with_threads  # noqa: E402
 from .headless import follow, run_headless, run_sessions  # noqa: E402
 from .video import OutputPathError, OutputWriteError  # noqa: E402
 
-MAX_FRAMES = 100_000  # about 2 hours at 15 FPS; the action list is built up front
 USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, OutputWriteError, FileNotFoundError,
                ValueError, TPError, LifecycleError)
+
+
+HEADLESS = {"out": "rollout.mp4", "actions": "walk_turn", "sheet_every": 2}  # --headless defaults
 
 
 def add_world_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,20 +58,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m inference.game_cv", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_world_arguments(p)
-    p.add_argument("--clip", default="0", help="index of a shipped clip, or a clip .safetensors path")
+    p.add_argument("--clip", default=None,
+                   help="index of a shipped clip, or a clip .safetensors path (default: 0; not with --world-seed)")
     p.add_argument("--world-seed", type=int, default=None,
                    help="start from a fresh simulator level: render and encode a history window")
     p.add_argument("--ground-truth", action="store_true", help="replay the clip's recorded future actions")
     p.add_argument("--seed", type=int, default=None, help="noise seed (overrides OWL_SEED)")
     p.add_argument("--headless", action="store_true", help="render to an mp4 instead of opening a window")
     p.add_argument("--frames", type=int, default=None, help="frames to render (default 64, or the action file's length)")
-    p.add_argument("--out", default="rollout.mp4", help="output mp4 for --headless")
-    p.add_argument("--actions", default="walk_turn",
-                   help=f"built-in script ({', '.join(BUILTIN)}; 'random:SEED') or a JSON-lines action file")
+    p.add_argument("--out", default=None, help=f"output mp4 for --headless (default: {HEADLESS['out']})")
+    p.add_argument("--actions", default=None,
+                   help=f"--headless: built-in script ({', '.join(BUILTIN)}; 'random:SEED') or a JSON-lines action "
+                        f"file (default: {HEADLESS['actions']})")
     p.add_argument("--beside-simulator", action="store_true",
                    help="headless: put the simulator's frames under the same actions, from the same level, left "
                         "of the model's (the start must record its level: --world-seed N or an exported clip)")
-    p.add_argument("--fps", type=float, default=15.0, help="frame rate written into the video")
+    p.add_argument("--fps", type=float, default=15.0, help="frame rate written into the video (default: 15)")
     p.add_argument("--scale", type=int, default=None,
                    help="integer upscaling of the video / window (default: 4 headless; the window's from the screen, "
                         "its short side up to 768 px)")
@@ -78,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--sheet", default=None,
                    help="--headless: also save a contact sheet PNG of every --sheet-every-th frame, 16 to a row "
                         "(with --beside-simulator the simulator's row above the model's)")
-    p.add_argument("--sheet-every", type=int, default=2, help="frame step of --sheet")
+    p.add_argument("--sheet-every", type=int, default=None, help=f"frame step of --sheet (default: {HEADLESS['sheet_every']})")
     p.add_argument("--sessions", type=int, default=1,
                    help="--headless: render N rollouts in one batched run (session i uses seed + i; --actions a,b,... "
                         "one script each); outputs are numbered: run.mp4 -> run_0.mp4 ...")
@@ -90,7 +94,7 @@ def parse_args(argv=None):
                         "(launch with torchrun --nproc-per-node 2); with --tp N, ranks 1..N generate with the heads "
                         "split between them (--nproc-per-node N+1)")
     play = p.add_argument_group("play (window) options")
-    play.add_argument("--target-fps", type=float, default=60.0, help="window refresh rate (frame pacing)")
+    play.add_argument("--target-fps", type=float, default=None, help="window refresh rate (frame pacing; default: 60)")
     play.add_argument("--smooth", action="store_true", help="smooth scaling instead of integer (nearest)")
     play.add_argument("--sensitivity", type=float, default=None, help="mouse sensitivity (config controls.sensitivity)")
     play.add_argument("--no-overlay", action="store_true", help="start with the overlay hidden (F1 toggles)")
@@ -107,10 +111,26 @@ def parse_args(argv=None):
                                 ("--seed", args.seed, 0, 2**63 - 1)):
         if value is not None and not (lo <= value and (hi is None or value <= hi)):
             p.error(f"{flag} {value}: must be a whole number " + (f"in [{lo}, {hi}]" if hi else f">= {lo}"))
-    for flag, value in (("--fps", args.fps), ("--target-fps", args.target_fps), ("--sensitivity", args.sensitivity)):
-        if value is not None and not 0 < value <= 1000:
-            p.error(f"{flag} {value}: must be a number in (0, 1000]")
+    for flag, value, lo in (("--fps", args.fps, 0.1), ("--target-fps", args.target_fps, 1), ("--sensitivity", args.sensitivity, 0)):
+        if value is not None and not (lo < value <= 1000 if lo == 0 else lo <= value <= 1000):
+            p.error(f"{flag} {value}: must be a number in " + (f"({lo}, 1000]" if lo == 0 else f"[{lo}, 1000]"))
+    if args.clip is not None and args.world_seed is not None:
+        p.error(f"--clip {args.clip} and --world-seed {args.world_seed} both choose where play starts; give one")
+    if args.sheet_every is not None and args.sheet is None:
+        p.error("--sheet-every sets the frame step of --sheet; add --sheet FILE.png or drop it")
+    if not args.headless and args.sessions == 1:  # (--sessions has its own message)
+        for flag, given in (("--out", args.out), ("--actions", args.actions), ("--frames", args.frames),
+                            ("--save-frames", args.save_frames), ("--sheet", args.sheet)):
+            if given is not None:
+                p.error(f"{flag} is a --headless option (the window is played live; F9 records it): add --headless")
+        args.target_fps = 60.0 if args.target_fps is None else args.target_fps
     if args.headless:
+        for flag, given in (("--target-fps", args.target_fps), ("--sensitivity", args.sensitivity)):
+            if given is not None:
+                p.error(f"{flag} is a window option, not used with --headless: a rollout's pace is its --fps")
+        for name, value in HEADLESS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
         for flag, given, fix in (("--record", args.record, "the rollout's video is --out"),
                                  ("--record-dir", args.record_dir, "the rollout's video is --out"),
                                  ("--save-actions", args.save_actions, "a rollout's actions are its --actions"),
@@ -148,6 +168,33 @@ def run_settings(args) -> tuple[WorldConfig, Settings, CoreBudget]:
 COMPILE_PAYS_FRAMES = 2000
 
 
+def start_clip(args) -> int | None:
+    """The clip index play starts from (None: a clip file's path, or a --world-seed level)."""
+    if args.world_seed is not None:
+        return None
+    clip = "0" if args.clip is None else args.clip
+    return int(clip) if is_clip_index(clip) else None
+
+
+def check_start(args, world: WorldConfig) -> None:
+    """Before any weights load: the start (--clip) and, headless, the action scripts, whose
+    frame count becomes --frames where none was given."""
+    clips = len(world_clips(world))
+    if args.clip is None:
+        args.clip = "0"
+    if args.world_seed is None and is_clip_index(args.clip):
+        if int(args.clip) >= clips:
+            raise ValueError(f"clip {args.clip} does not exist: world {world.name!r} has {clips} clips; "
+                             + (f"give --clip 0 to {clips - 1}" if clips else "start from a level with --world-seed N"))
+    elif args.world_seed is None:
+        load_clip(args.clip, world.model.channels, world.model.sample_size)
+    if args.headless:
+        specs = args.actions.split(",")
+        scripts = [load_actions(spec, args.frames, clips=clips) for spec in specs]
+        if args.frames is None:
+            args.frames = max(sum(not is_event(x) for x in items) for items in scripts)
+
+
 def compile_pays(args) -> bool:
     if args.headless:
         return args.frames is not None and args.frames * max(1, args.sessions) >= COMPILE_PAYS_FRAMES
@@ -170,7 +217,7 @@ def build_pipeline(args, world: WorldConfig, settings: Settings, tp: ParallelCon
     """The pipeline with its first history; TP ranks other than 0 get theirs from rank 0."""
     if tp is None or tp.is_leader:  # start-up takes seconds: say so at once
         print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) ...", flush=True)
-    clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
+    clip = start_clip(args)
     stages = args.pp == 2
     if stages and args.tp > 1:
         check_heads(world.model, args.tp)  # on every rank: rank 0 would not hear of a refusal inside the mesh
@@ -198,7 +245,7 @@ def build_sessions(args, world: WorldConfig, settings: Settings, budget: CoreBud
     print(f"[owl] loading {args.checkpoint} on {settings.device} ({settings.threads} threads) for "
           f"{args.sessions} sessions ...", flush=True)
     sessions = Sessions.from_checkpoint(world, args.ckpt, settings=settings, capacity=args.sessions, weights=args.weights)
-    clip = int(args.clip) if args.clip.isdigit() and args.world_seed is None else None
+    clip = start_clip(args)
     pipes = []
     for i in range(args.sessions):
         pipe = sessions.open(seed=settings.seed + i, clip=clip, ground_truth=args.ground_truth)
@@ -253,6 +300,7 @@ def main(argv=None) -> int:
     tp = None
     try:
         world, settings, budget = run_settings(args)  # once: the config is read and the threads set here
+        check_start(args, world)
         if args.sessions > 1:
             for flag, clash in (("--headless", not args.headless), ("--tp", args.tp > 1), ("--pp", args.pp > 1),
                                 ("--beside-simulator", args.beside_simulator)):

@@ -130,6 +130,16 @@ def follow(build) -> int:
     return 0
 
 
+def check_ground_truth(pipe, items: list) -> None:
+    """Refuse, before any frame, a --ground-truth script longer than the clip's recorded actions
+    (a script with events may restart the clip, so it is left to run)."""
+    recorded = pipe.clip.future_frames if pipe.ground_truth and pipe.clip is not None else None
+    frames = sum(not is_event(x) for x in items)
+    if recorded is not None and frames > recorded and not any(is_event(x) for x in items):
+        raise ValueError(f"--ground-truth: the clip records {recorded} future actions; ask for at most "
+                         f"--frames {recorded}")
+
+
 def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBudget | None = None) -> int:
     """Render ``args.actions`` to ``args.out`` with the pipeline ``build(args, tp)`` makes; returns
     the exit code (130 when interrupted). The video of the frames so far is always finalised.
@@ -169,10 +179,7 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
                                 threads=pipe.settings.threads if stages is not None else pipe.settings.decode_threads)
         sims, requested = {}, 0  # frame number -> the simulator's view beside it, until the frame is decoded
         frames = sum(not is_event(x) for x in items)
-        recorded = pipe.clip.future_frames if pipe.ground_truth and pipe.clip is not None else None
-        if recorded is not None and frames > recorded and not any(is_event(x) for x in items):  # (events may restart it)
-            raise ValueError(f"--ground-truth: the clip records {recorded} future actions; ask for at most "
-                             f"--frames {recorded}")
+        check_ground_truth(pipe, items)
         require_space(output_estimates(args, pipe.frame_shape, frames, beside is not None))
         with StopOnSigint() as stop:
             if pipe.settings.compile:
@@ -286,6 +293,8 @@ def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
     step_seconds, start = [], time.perf_counter()
     try:
         sessions, pipes = build(args)
+        for pipe, items in zip(pipes, scripts):
+            check_ground_truth(pipe, items)
         total = sum(sum(not is_event(x) for x in items) for items in scripts)
         require_space([est for i, items in enumerate(scripts) for est in output_estimates(
             session_args(args, i), pipes[i].frame_shape, sum(not is_event(x) for x in items), False)])

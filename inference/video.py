@@ -2,6 +2,7 @@
 finalised (moov atom written, renamed into place) on every exit, Ctrl-C included."""
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ MIN_FREE = 1 << 20  # bytes a recording of unknown length needs at start-up; a f
 # worlds (tests/test_headless.py checks the estimate covers real rollouts).
 MP4_BYTES_PER_PIXEL = 0.15
 MP4_OVERHEAD = 4096  # the container's header and index
+_PARTIALS = itertools.count()
 
 
 class OutputPathError(ValueError):
@@ -41,9 +43,40 @@ def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out
         raise OutputPathError(f"{flag} {str(path)!r} is a folder; give a file name, e.g. {str(path / ('out' + suffix))!r}")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise OutputPathError(f"output {str(path)!r} is not writable; choose another {flag}")
+    # Fail now, not after an hour of play, if the folder refuses the file (a name too long, say).
+    partial = partial_path(path)
+    try:
+        partial.touch()
+        partial.unlink()
+    except OSError as exc:
+        raise OutputPathError(f"{flag} {str(path)!r}: cannot create {str(partial)!r} ({exc.strerror or exc}); "
+                              f"choose another {flag}") from None
     if need:
         require_space([(flag, path, need)])
     return path
+
+
+def partial_path(path: Path) -> Path:
+    """A hidden file for an output to be written to before it is renamed into place, new at
+    each call: two writers of the same output (two runs, or two in one process) never touch each
+    other's, and the last to finish is the file left."""
+    return path.with_name(f".{path.stem}.{os.getpid()}-{next(_PARTIALS)}.partial{path.suffix}")
+
+
+def failure_hint(path: Path) -> str:
+    """Why writing beside ``path`` most likely failed, for a message."""
+    try:
+        full = shutil.disk_usage(path.parent).free < MIN_FREE
+    except OSError:
+        full = False
+    return "the disk is full" if full else "the encoder stopped"
+
+
+def remove_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def mp4_bytes(frames: int, height: int, width: int) -> int:
@@ -75,18 +108,12 @@ class Mp4Writer:
     closed, holding every frame written (none written: no file)."""
 
     def __init__(self, path: str | Path, fps: float = 30.0, scale: int = 1, flag: str = "--out", need: int = 0):
+        # (the partial file is made by the first frame: a run stopped during start-up leaves nothing)
         self.path = check_output_path(path, flag=flag, need=need)
-        self.partial = self.path.with_name(f".{self.path.stem}.partial.mp4")
+        self.partial = partial_path(self.path)
         self.fps, self.scale = fps, scale
         self.frames, self.failed = 0, False
         self._gen = None
-        # Fail now, not after an hour of play, if the folder refuses files; the partial file
-        # itself is made by the first frame, so a run stopped during start-up leaves nothing.
-        try:
-            self.partial.touch()
-            self.partial.unlink()
-        except OSError as exc:
-            raise OutputPathError(f"cannot create {str(self.partial)!r}: {exc}") from exc
 
     def write(self, frame) -> None:
         frame = np.asarray(frame, dtype=np.uint8)
@@ -103,9 +130,9 @@ class Mp4Writer:
             self._gen.send(np.ascontiguousarray(frame))
         except OSError as exc:  # ffmpeg stopped: a full disk, most often
             self._gen, self.failed = None, True
-            self.partial.unlink(missing_ok=True)
-            raise OutputWriteError(f"writing {str(self.path)!r} failed after {self.frames} frames (is the disk "
-                                   f"full?); nothing was kept: {str(exc).splitlines()[0]}") from None
+            remove_quietly(self.partial)
+            raise OutputWriteError(f"writing {str(self.path)!r} failed after {self.frames} frames "
+                                   f"({failure_hint(self.path)}); nothing was kept: {str(exc).splitlines()[0]}") from None
         self.frames += 1
 
     def close(self) -> Path | None:
@@ -114,13 +141,13 @@ class Mp4Writer:
             self._gen.close()  # ffmpeg (shielded from SIGINT by imageio-ffmpeg) writes the index
             self._gen = None
         if self.frames == 0 or self.failed:
-            self.partial.unlink(missing_ok=True)
+            remove_quietly(self.partial)
             return None
         if not finished_mp4(self.partial):
-            self.partial.unlink(missing_ok=True)
+            remove_quietly(self.partial)
             self.failed = True  # closing again returns None instead of raising again
-            raise OutputWriteError(f"ffmpeg could not finish {str(self.path)!r} ({self.frames} frames; is the disk "
-                                   "full?); nothing was kept")
+            raise OutputWriteError(f"ffmpeg could not finish {str(self.path)!r} ({self.frames} frames; "
+                                   f"{failure_hint(self.path)}); nothing was kept")
         os.replace(self.partial, self.path)
         return self.path
 
@@ -145,12 +172,12 @@ def flat_frame_warning(frame) -> str | None:
 def write_atomically(path: Path, write) -> Path:
     """``write(tmp)`` to a hidden file beside ``path``, renamed into place only when it succeeded;
     on failure nothing is left and OutputWriteError says so."""
-    tmp = path.with_name(f".{path.name}.partial{path.suffix}")
+    tmp = partial_path(path)
     try:
         write(tmp)
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)
         raise OutputWriteError(f"writing {str(path)!r} failed ({exc.strerror or exc}); nothing was kept") from None
     return path
 

@@ -15,7 +15,7 @@ import torch
 from .config import ModelConfig
 from .layouts import FrameStore, make_layout
 from .quant import Quantizer, ScalePolicy, make_codec
-from .settings import KVSettings, SettingsError
+from .settings import KVSettings, SettingsError, late_layer_count
 
 
 class CacheUpdates:
@@ -186,15 +186,16 @@ class LayerPlan:
 def plan_layers(config: ModelConfig, kv: KVSettings, window_frames: int) -> list[LayerPlan]:
     """Per-layer codecs, scales, windows, capacities and sharing groups from the settings."""
     n, layout = config.n_layers, kv.ring_mode
-    if kv.late_layers is not None and kv.late_layers > n:
-        raise SettingsError(f"kv_late_layers={kv.late_layers} exceeds the model's {n} layers; give at most {n}",
+    late = late_layer_count(kv.late_layers, n)
+    if late is not None and late > n:
+        raise SettingsError(f"kv_late_layers={late} exceeds the model's {n} layers; give at most {n}",
                             ("kv_late_layers",))
     if kv.share > n:
         raise SettingsError(f"kv_share={kv.share} exceeds the model's {n} layers; give at most {n}", ("kv_share",))
     # A decoded frame reads the cache without the frame mask: global layers see all W frames
     # whatever global_window says (the original), local layers their last local_window.
     windows = [min(config.decode_window(i) or window_frames, window_frames) for i in range(n)]
-    first_quantized = n - (kv.late_layers or n)
+    first_quantized = n - (late or n)
     plans = []
     for i in range(n):
         owner = i - i % kv.share

@@ -96,3 +96,14 @@ def load_clip(path: str | Path, channels: int, sample_size: int) -> Clip:
 
 def list_clips(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob("*.safetensors"))
+
+
+def world_clips(world) -> list[Path]:
+    """A world's clips in index order (its config's ``pipeline.clips`` folder; none: [])."""
+    folder = world.resolve(world.pipeline.clips)
+    return list_clips(folder) if folder is not None and folder.is_dir() else []
+
+
+def is_clip_index(text: str) -> bool:
+    """``text`` names a clip by its index (ASCII digits), not by a path."""
+    return text.isascii() and text.isdigit()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +73,19 @@ def _read_file(path: Path):
         if path.suffix == ".safetensors":
             return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
+    except pickle.UnpicklingError as exc:  # torch's message suggests weights_only=False: never taken here
+        raise CheckpointError(f"checkpoint file {str(path)!r} holds pickled objects other than tensors, which are "
+                              f"never loaded (they could run code){unpickler_reason(exc)}; save the "
+                              "weights as a state dict of tensors (safetensors: safetensors.torch.save_file)") from None
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {str(path)!r} could not be read: {exc}") from exc
+
+
+def unpickler_reason(exc: Exception) -> str:
+    """The line of torch's weights-only refusal that names what was refused (": ..."), if any."""
+    _, marker, rest = str(exc).partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in rest.splitlines() if line.strip()]
+    return f": {lines[0][:160]}" if marker and lines else ""
 
 
 def _is_tensor_dict(obj) -> bool:

@@ -61,6 +61,25 @@ def _int(minimum: int, maximum: int = 2**63 - 1) -> Callable[[str], int]:
     return parse
 
 
+# kv_late_layers may be a share of the model's depth, resolved when the cache is planned
+LATE_SHARES = {"quarter": 0.25, "half": 0.5, "three_quarters": 0.75}
+
+
+def _late_layers(text: str) -> int | str:
+    t = str(text).strip().lower()
+    return t if t in LATE_SHARES else _int(1)(t)
+
+
+_late_layers.accepted = f"a layer count (an integer >= 1) or a share of the model's depth ({'|'.join(LATE_SHARES)})"
+
+
+def late_layer_count(late: int | str | None, n_layers: int) -> int | None:
+    """``kv_late_layers`` as a layer count of an ``n_layers`` model (None: every layer)."""
+    if isinstance(late, str):
+        return max(1, round(n_layers * LATE_SHARES[late]))
+    return late
+
+
 def _device(text: str) -> str:
     t = str(text).strip().lower()
     if t in ("cpu", "cuda", "auto") or (t.startswith("cuda:") and t[5:].isdigit()):
@@ -160,7 +179,7 @@ OPTIONS: tuple[Option, ...] = (
     # Quantized cache family (docs/architecture.md, The KV cache); None defaults mean "not set".
     Option("fp8_kv", _bool, None, "quantize the KV cache (storage: kv_storage, default fp8_e4m3)"),
     Option("k_fp8", _bool, None, "0 keeps keys in bf16 while values are quantized"),
-    Option("kv_late_layers", _int(1), None, "quantize only the last N layers"),
+    Option("kv_late_layers", _late_layers, None, "quantize only the last N layers (or quarter|half|three_quarters of them)"),
     Option("kv_storage", _choice("bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"), None,
          "storage codec of K and V"),
     Option("kv_bits", _choice("8", "4"), None, "8: int8, 4: int4 (when kv_storage is unset)"),
@@ -228,7 +247,7 @@ class KVSettings:
     """The cache plan's inputs, resolved and checked for contradictions."""
     fmt_k: str = "bf16"
     fmt_v: str = "bf16"
-    late_layers: int | None = None  # quantize only the last N layers (None: all)
+    late_layers: int | str | None = None  # quantize only the last N layers, or a LATE_SHARES name (None: all)
     scale_k: str = "token"
     scale_v: str = "token"
     ema: float | None = None  # per-head scales: None = running max

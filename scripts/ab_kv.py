@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from inference.flags import flag_message, resolve_settings, with_threads
-from scripts.common import PRESETS, REPO, load_presets, machine, preset_env
+from scripts.common import PRESETS, REPO, load_presets, machine
 
 DEFAULT_VARIANTS = ["fp8_kv", "fp8_v_only", "int8_kv", "int4_v_only", "sharing", "ring_inplace"]
 WARMUP = 2  # frames before timing and recompile counting
@@ -375,7 +375,7 @@ def main(argv=None):
             continue
         if name in {v[0] for v in variants}:
             raise SystemExit(f"error: variant name {name!r} appears twice; give inline variants distinct names")
-        variants.append((name, preset_env(env, world.model.n_layers)))
+        variants.append((name, env))
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

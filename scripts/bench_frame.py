@@ -85,7 +85,7 @@ class Ours:
                                     settings, verbose=False)
         self.pipe.prefill(*history)
         if settings.compile_background:
-            compile_kept(self.pipe.runner, 1, lambda: self.decode(self.frame()))
+            compile_kept(self.pipe.runner, 1)
 
     def frame(self):
         return self.pipe.generate(*WALK)
@@ -94,14 +94,12 @@ class Ours:
         return self.pipe.decode(latent)
 
 
-def compile_kept(runner, rows: int, step) -> None:
+def compile_kept(runner, rows: int) -> None:
     """The apps' compiled path for a batch of ``rows``: the frame call's graph (and the
-    decoder's) compiled in a background process, or loaded where an earlier run kept them;
-    ``step`` makes the frames that start it. Waits until they are in use."""
-    if not runner.compile_in_background((rows,), log=lambda text: None):
+    decoder's) compiled in a background process, or loaded where an earlier run kept them.
+    Waits until they are in use."""
+    if not runner.compile_in_background((rows,), log=lambda text: None, after_first_frame=False):
         raise SystemExit(f"error: the frame call cannot compile whole here ({runner.graph_blocker})")
-    for _ in range(3):  # the loader starts once a frame is made
-        step()
     runner.background.wait()
     if runner.compiled != "whole":
         raise SystemExit("error: the background compile did not take over; run the app to see why")
@@ -390,7 +388,7 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
         for pipe in pipes:
             pipe.prefill(*history)
         batches[n] = (batch, {pipe: WALK for pipe in pipes})
-        compile_kept(batch.runner, batch_rows(n), functools.partial(step_and_decode, batch, batches[n][1]))
+        compile_kept(batch.runner, batch_rows(n))
         for _ in range(args.warmup):
             step_and_decode(batch, batches[n][1])
     denoise, decode, faults = ({n: [] for n in batches} for _ in range(3))

@@ -19,16 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.common import PRESETS, load_presets, preset_env, shipped_layers
+from scripts.common import PRESETS, load_presets
 
 FRAMES = 32
 
 
 def cases() -> dict[str, tuple[dict, int]]:
     """name -> (OWL_* flags, tensor-parallel ranks)."""
-    layers = shipped_layers()
     out = {"default": ({}, 1)}
-    out.update({name: (preset_env(flags, layers), 1) for name, flags in load_presets().items() if name != "baseline"})
+    out.update({name: (flags, 1) for name, flags in load_presets().items() if name != "baseline"})
     out["tp2"] = ({}, 2)
     return out
 

@@ -30,8 +30,6 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 PRESETS = REPO / "configs" / "kv_presets.yaml"
 SHIPPED = REPO / "checkpoints" / "maze-world"
-# OWL_KV_LATE_LAYERS in a preset may be a share of the model's depth.
-LATE_SHARES = {"quarter": 0.25, "half": 0.5, "three_quarters": 0.75}
 
 
 def machine() -> str:
@@ -71,21 +69,6 @@ def load_presets() -> dict[str, dict[str, str]]:
 
     return {name: {k: str(v) for k, v in (flags or {}).items()}
             for name, flags in OmegaConf.to_container(OmegaConf.load(PRESETS)).items()}
-
-
-def preset_env(flags: dict[str, str], n_layers: int) -> dict[str, str]:
-    """A preset's flags with a depth share (OWL_KV_LATE_LAYERS=half) turned into a layer count."""
-    late = flags.get("OWL_KV_LATE_LAYERS")
-    if late in LATE_SHARES:
-        flags = {**flags, "OWL_KV_LATE_LAYERS": str(max(1, round(n_layers * LATE_SHARES[late])))}
-    return flags
-
-
-def shipped_layers() -> int:
-    """The depth of the shipped world's transformer."""
-    from owl_wms.config import load_config
-
-    return load_config(SHIPPED / "config.yaml").model.n_layers
 
 
 def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool = False, warmup: int = 4) -> list[dict]:

@@ -25,7 +25,7 @@ from owl_wms.maze.data import HELD_OUT_SEED
 from owl_wms.maze.evaluation import Episode, frame_metrics
 from owl_wms.settings import without_kv
 
-from .common import machine, preset_env
+from .common import machine
 
 VARIANTS = {
     "bf16": {},
@@ -71,13 +71,12 @@ def main(argv=None):
     world = load_world(args.checkpoint or DEFAULT_CHECKPOINT)
     base = CausvidPipeline.from_checkpoint(world, clip=None, verbose=False,
                                            settings=with_threads(resolve_settings(world.inference)))
-    n_layers = base.cfg.n_layers
     seed = HELD_OUT_SEED + args.seed_offset
     ep = Episode(base, seed, args.frames)
     real = ep.frames[ep.window:]
     rows, frames = [], {}
     for name in names:
-        env = preset_env(VARIANTS[name], n_layers)
+        env = VARIANTS[name]
         pipe = CausvidPipeline(base.model, base.decoder, base.world, resolve_settings(without_kv(base.world.inference), env),
                                verbose=False)
         pipe.load_clip(ep.clip)

@@ -138,6 +138,16 @@ def test_action_file_round_trip_and_errors(tmp_path):
     assert r.returncode == 2 and "neither a built-in script" in r.stderr
 
 
+def test_an_action_file_longer_than_a_run_is_refused_unless_cut(tmp_path):
+    from inference.actions import MAX_FRAMES
+
+    path = tmp_path / "long.jsonl"
+    write_action_file(path, [([0.0, 0.0], [0] * 11)] * (MAX_FRAMES + 1))
+    with pytest.raises(ValueError, match=f"has {MAX_FRAMES + 1} frames of actions; a run makes at most {MAX_FRAMES}"):
+        load_actions(str(path), None)
+    assert len(load_actions(str(path), 3)) == 3
+
+
 def test_action_file_drives_rollout_and_frames_are_deterministic(tmp_path):
     write_action_file(tmp_path / "a.jsonl", load_actions("random:1", 6))
     outs = []

@@ -88,7 +88,8 @@ CASES = {
     "scale-zero": (["--scale", "0"], {}, r"--scale 0: must be"),
     "scale-huge": (["--scale", "400"], {}, r"--scale 400: must be a whole number in \[1, 16\]"),
     "tp-zero": (["--tp", "0"], {}, r"--tp 0: must be"),
-    "fps-zero": (["--fps", "0"], {}, r"--fps 0.0: must be a number in \(0, 1000\]"),
+    "fps-zero": (["--fps", "0"], {}, r"--fps 0.0: must be a number in \[0.1, 1000\]"),
+    "fps-tiny": (["--fps", "1e-9"], {}, r"--fps 1e-09: must be a number in \[0.1, 1000\]"),
     "fps-negative": (["--fps", "-5"], {}, r"--fps -5.0: must be"),
     "fps-nan": (["--fps", "nan"], {}, r"--fps nan: must be"),
     "fps-inf": (["--fps", "inf"], {}, r"--fps inf: must be"),
@@ -215,6 +216,23 @@ CASES = {
     "actions-folder": (lambda t: ["--actions", str(t)], {}, r"is neither a built-in script"),
     "env-threads-huge": ([], {"OWL_THREADS": "100000000"}, r"OWL_THREADS='100000000' is malformed; accepted values: an integer in \[0, 1024\]"),
     "clip-missing-file": (["--clip", "nowhere.safetensors"], {}, r"nowhere\.safetensors"),
+    "clip-with-world-seed": (["--clip", "1", "--world-seed", "3"], {},
+                             r"--clip 1 and --world-seed 3 both choose where play starts; give one"),
+    "clip-superscript-digit": (["--clip", "\u00b2"], {}, r"clip file '\u00b2' does not exist"),
+    "actions-restore-first": (action_file(FRAME, '{"event": "restore"}'), {},
+                              r"a\.jsonl:2: a restore event before any snapshot event; add \{\"event\": \"snapshot\"\}"),
+    "actions-clip-missing": (action_file(FRAME, '{"event": "clip", "clip": 99}'), {},
+                             r"a\.jsonl:2: clip 99 does not exist: this world has \d+ clips"),
+    "sheet-every-without-sheet": (["--sheet-every", "3"], {}, r"--sheet-every sets the frame step of --sheet; add --sheet"),
+    "target-fps-headless": (["--target-fps", "30"], {}, r"--target-fps is a window option, not used with --headless"),
+    "sheet-name-too-long": (lambda t: ["--sheet", str(t / ("a" * 250 + ".png"))], {},
+                            r"--sheet '.*': cannot create .*File name too long.*choose another --sheet"),
+    "ground-truth-sessions-too-long": (["--ground-truth", "--frames", "100000", "--sessions", "2"], {"OWL_RING_MODE": "inplace"},
+                                       r"--ground-truth: the clip records \d+ future actions; ask for at most"),
+    "ckpt-pickled-payload": (lambda t: [(t / "payload.pt").write_bytes(__import__("pickle").dumps(Payload(t / "RAN"))),
+                                         "--ckpt", str(t / "payload.pt")][1:], {},
+                             r"checkpoint file '.*payload\.pt' holds pickled objects other than tensors, which are "
+                             r"never loaded \(they could run code\)"),
     # the autoencoder folder beside the checkpoint
     "vae-config-not-json": (vae_edit(lambda v: (v / "config.json").write_text("{not json")), {},
                             r"decoder\.path: '.*vae/config\.json' is not valid JSON .*; restore the file"),
@@ -254,6 +272,17 @@ def test_hostile_input_is_refused_with_a_clear_message_and_no_file(case, tmp_pat
     assert re.search(expected, text), text[-2000:]
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert after == before, f"left behind: {sorted(set(after) - set(before))}"
+
+
+@pytest.mark.parametrize("argv,flag", [(["--out", "x.mp4"], "--out"), (["--frames", "5"], "--frames"),
+                                       (["--actions", "turn"], "--actions"), (["--sheet", "s.png"], "--sheet")])
+def test_a_headless_option_without_headless_is_refused(argv, flag, tmp_path):
+    """A window run given a rollout's options (--headless forgotten) says so instead of ignoring them."""
+    r = run_main("inference.game_cv", ["--checkpoint", TINY, *argv], {"OWL_DEVICE": "cpu"}, cwd=tmp_path)
+    text = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in text
+    assert f"{flag} is a --headless option" in text and "add --headless" in text, text[-1500:]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_hostile_suite_covers_every_input_class():
@@ -332,6 +361,37 @@ def test_an_unfinished_mp4_is_not_moved_into_place(tmp_path):
     writer.partial.write_bytes(b"\x00" * 64)  # truncated: no index
     with pytest.raises(video.OutputWriteError, match="could not finish"):
         writer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_writer_of_the_same_output_leaves_the_first_ones_video_alone(tmp_path):
+    """Two runs with the same --out each write their own hidden file; a run started (or refused)
+    meanwhile never removes the other's, and the last to finish is the file left."""
+    import os
+
+    from inference import video
+
+    other = tmp_path / f".x.{os.getpid() + 1}.partial.mp4"  # another process's video in progress
+    other.write_bytes(b"frames")
+    first = video.Mp4Writer(tmp_path / "x.mp4", fps=15)
+    second = video.Mp4Writer(tmp_path / "x.mp4", fps=15)
+    assert other.read_bytes() == b"frames"
+    for _ in range(3):  # both at once
+        first.write(np.zeros((16, 16, 3), np.uint8))
+        second.write(np.zeros((16, 16, 3), np.uint8))
+    second.write(np.zeros((16, 16, 3), np.uint8))
+    second.close()
+    assert video.count_frames(tmp_path / "x.mp4") == 4
+    first.close()
+    assert video.count_frames(tmp_path / "x.mp4") == 3 and other.exists()
+
+
+@pytest.mark.parametrize("flag,suffix", [("--save-frames", ".npy"), ("--sheet", ".png"), ("--out", ".mp4")])
+def test_an_output_name_the_folder_refuses_is_an_error_before_any_work(tmp_path, flag, suffix):
+    from inference import video
+
+    with pytest.raises(video.OutputPathError, match=f"{flag} .*cannot create .*File name too long.*choose another {flag}"):
+        video.check_output_path(tmp_path / ("a" * 250 + suffix), suffix=suffix, flag=flag)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -207,3 +207,20 @@ def test_more_threads_than_cores_are_kept_with_a_warning_naming_the_cores(monkey
             with_threads(Settings(threads=cores))  # as many as the cores: no warning
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("share,layers", [("quarter", 1), ("HALF", 2), ("three_quarters", 3), ("3", 3)])
+def test_late_layers_may_be_a_share_of_the_depth(share, layers):
+    """OWL_KV_LATE_LAYERS takes the presets' depth shares as the apps do: half of 4 layers is the last 2."""
+    from owl_wms.cache import plan_layers
+
+    from .conftest import tiny_config
+
+    cfg = tiny_config()
+    assert cfg.n_layers == 4
+    kv = resolve_settings({}, environ={"OWL_KV_STORAGE": "int8", "OWL_KV_LATE_LAYERS": share}).kv
+    plans = plan_layers(cfg, kv, 4)
+    assert [p.k[0] for p in plans] == ["bf16"] * (4 - layers) + ["int8"] * layers
+    with pytest.raises(SettingsError, match=r"OWL_KV_LATE_LAYERS='most' is malformed; accepted values: a layer count "
+                                            r"\(an integer >= 1\) or a share of the model's depth \(quarter\|half"):
+        resolve_settings({}, environ={"OWL_KV_STORAGE": "int8", "OWL_KV_LATE_LAYERS": "most"})

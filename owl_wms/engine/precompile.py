@@ -223,7 +223,7 @@ class BackgroundCompile:
 
     def __init__(self, job: CompileJob, on_graph, on_ready, log=print):
         self.job, self.on_graph, self.on_ready, self.log = job, on_graph, on_ready, log
-        self.first_frame = threading.Event()  # set by the caller once a frame is made
+        self.first_frame = threading.Event()  # frames_began() sets it
         self.done = threading.Event()  # every graph is in (or the compile gave up)
         self.process = None
         self.started = time.perf_counter()
@@ -231,6 +231,10 @@ class BackgroundCompile:
         self.loaded: set[tuple[str, int, int]] = set()
         self.thread = threading.Thread(target=self._run, daemon=True, name="owl-compile-loader")
         self.thread.start()
+
+    def frames_began(self) -> None:
+        """The app has its first frame: loading and compiling may start (else they start after 30 s)."""
+        self.first_frame.set()
 
     def _load(self, item: tuple[str, int, int]) -> bool:
         kind, n, threads = item

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..clips import Clip, list_clips, load_clip
+from ..clips import Clip, load_clip, world_clips
 from ..config import WorldConfig
 from ..controls import as_controls
 
@@ -21,8 +21,7 @@ class ClipReplay:
     @property
     def paths(self) -> list[Path]:
         """The world's clips (its config's ``pipeline.clips`` folder)."""
-        folder = self.world.resolve(self.world.pipeline.clips)
-        return list_clips(folder) if folder is not None and folder.is_dir() else []
+        return world_clips(self.world)
 
     def load(self, clip) -> Clip:
         """``clip``: an index into ``paths``, a path, or a ``Clip``."""

@@ -70,14 +70,16 @@ class ModelRunner:
     def _compiled_frame_call(self):
         return torch.compile(self.core, fullgraph=True, dynamic=False, options=self._graph_options())
 
-    def compile_in_background(self, rows: tuple[int, ...] = (1,), threads: tuple[int, ...] = (), log=print) -> bool:
-        """Once the first frame is made, load the frame call's graphs (and the decoder's) an
-        earlier start kept, and compile the others in a child process while frames run eagerly
-        (precompile.py says why a process, not a thread): one for each CPU thread count (the
-        current one, then those of ``threads``: the counts the app may switch to) and each batch
-        size of ``rows``. A call whose batch size and thread count have a graph runs it from then
-        on, the others stay eager: never a compile on the frames' thread. False where a frame
-        call cannot be one graph (the eager or per-block path stays)."""
+    def compile_in_background(self, rows: tuple[int, ...] = (1,), threads: tuple[int, ...] = (), log=print,
+                              after_first_frame: bool = True) -> bool:
+        """Once the first frame is made (at once where ``after_first_frame`` is False), load the
+        frame call's graphs (and the decoder's) an earlier start kept, and compile the others in a
+        child process while frames run eagerly (precompile.py says why a process, not a thread):
+        one for each CPU thread count (the current one, then those of ``threads``: the counts the
+        app may switch to) and each batch size of ``rows``. A call whose batch size and thread
+        count have a graph runs it from then on, the others stay eager: never a compile on the
+        frames' thread. False where a frame call cannot be one graph (the eager or per-block path
+        stays)."""
         if self.graph_blocker is not None or self.compiled is not None or self.background is not None:
             return False
         from torch._inductor import config as inductor
@@ -98,6 +100,8 @@ class ModelRunner:
                          self.kv_plan, str(self.device), self.dtype, tuple(rows), counts,
                          self._graph_options(), self.settings.ring_attention, inductor.save_config_portable())
         self.background = BackgroundCompile(job, self._install_graph, self._take_over, log)
+        if not after_first_frame:
+            self.background.frames_began()
         return True
 
     def _install_graph(self, rows: int, threads: int, graph) -> None:
@@ -150,7 +154,7 @@ class ModelRunner:
             finally:
                 self.frame_calls += 1
                 if self.background is not None and self.frame_calls > 2:  # the next frame's call: one is made
-                    self.background.first_frame.set()
+                    self.background.frames_began()
                 cache.disable_cache_updates()
         try:
             return self.core(x, t, mouse, buttons, kv_cache=cache, attn_bias=bias)
