@@ -13,7 +13,7 @@ import sys
 import warnings
 from typing import Mapping
 
-from owl_wms.settings import CODEC_FIELDS, OPTIONS, Settings, known_settings, without_kv
+from owl_wms.settings import CODEC_FIELDS, OPTIONS, Settings, SettingsError, known_settings, without_kv
 
 FLAGS = {o.field: "OWL_TP_TIMEOUT" if o.field == "tp_timeout_s" else f"OWL_{o.field.upper()}" for o in OPTIONS}
 KNOWN = {flag: field for field, flag in FLAGS.items()}
@@ -25,11 +25,16 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     environ = os.environ if environ is None else environ
     for name in sorted(k for k, v in environ.items() if k in KNOWN and not str(v).strip()):
         warnings.warn(f"{name} is set but empty and is ignored; give it a value or unset it", stacklevel=2)
+    for name in sorted(k for k in environ if k.upper().startswith("OWL_") and not k.startswith("OWL_")):
+        warnings.warn(f"{name} is ignored: OWL_* flags are read in capitals only; set {name.upper()} instead",
+                      stacklevel=2)
     environ = {k: v for k, v in environ.items() if k.startswith("OWL_") and str(v).strip()}
     inference = known_settings(inference)
     # The codec flags act together: once any is set, the config's codec choice steps aside
     # (OWL_FP8_KV=1 means fp8 even where the config says kv_storage: int8).
+    set_aside = {}
     if any(FLAGS[f] in environ for f in CODEC_FIELDS):
+        set_aside = {k: v for k, v in inference.items() if k in CODEC_FIELDS}
         inference = {k: v for k, v in inference.items() if k not in CODEC_FIELDS}
     # OWL_KV_CACHE=none (the cache-free baseline) sets aside the config's whole cache plan.
     if str(environ.get(FLAGS["kv_cache"], "")).strip().lower() == "none":
@@ -42,7 +47,15 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     raw = dict(inference)
     raw.update({f: environ[flag] for f, flag in FLAGS.items() if flag in environ})
     from_config = {f for f in raw if FLAGS[f] not in environ}
-    return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
+    try:
+        return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
+    except SettingsError as exc:
+        if not set_aside:
+            raise
+        given = ", ".join(f"inference.{k}={v}" for k, v in set_aside.items())
+        flags = " ".join(f"{FLAGS[k]}={v}" for k, v in set_aside.items())
+        raise SettingsError(f"{exc} (the config's {given} steps aside once any KV codec flag is set: add {flags} "
+                            "to keep it)", exc.params) from None
 
 
 def warnings_as_lines() -> None:

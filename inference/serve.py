@@ -100,10 +100,10 @@ def parse_args(argv=None):
                                 ("--world-seed", args.world_seed, 0, MAX_LEVEL), ("--seed", args.seed, 0, MAX_SEED)):
         if value is not None and not lo <= value <= hi:
             p.error(f"{flag} {value}: must be a whole number in [{lo}, {hi}]")
-    for flag, value in (("--target-fps", args.target_fps), ("--idle-timeout", args.idle_timeout),
-                        ("--max-fps", args.max_fps)):
-        if value is not None and not 0 < value <= 100_000:
-            p.error(f"{flag} {value}: must be a positive number")
+    for flag, value, lo in (("--target-fps", args.target_fps, 0), ("--idle-timeout", args.idle_timeout, 1),
+                            ("--max-fps", args.max_fps, 0)):
+        if value is not None and not (0 < value <= 100_000 and value >= lo):
+            p.error(f"{flag} {value}: must be a positive number" + (f" of at least {lo}" if lo else ""))
     for flag, value in (("--record-dir", args.record_dir), ("--save-actions", args.save_actions)):
         if value is not None and (problem := folder_problem(Path(value))):
             p.error(f"{flag} {value!r}: {problem}; choose another folder")
@@ -256,7 +256,7 @@ def serve(scheduler: Scheduler, sock: socket.socket, limits: Limits, running: li
     import uvicorn
 
     host, port = sock.getsockname()[:2]
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host  # (IPv6 in brackets)
     print(f"[owl] serving at http://{shown}:{port}/ : open it in a browser to play (Ctrl-C stops)", flush=True)
     config = uvicorn.Config(create_app(scheduler, limits), ws="websockets-sansio", ws_max_size=MAX_MESSAGE_BYTES,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=3)

@@ -82,9 +82,10 @@ class Server:
 class Player:
     """A page's side of the protocol over a plain websocket."""
 
-    def __init__(self, url: str, first: str | None = None, **hello):
-        """``first``: send this instead of a hello (and wait for nothing)."""
-        self.ws = connect(url, open_timeout=30, legacy=True)
+    def __init__(self, url: str, first: str | None = None, origin: str | None = None, **hello):
+        """``first``: send this instead of a hello (and wait for nothing); ``origin``: the page's
+        Origin header, as a browser sends it."""
+        self.ws = connect(url, open_timeout=30, legacy=True, origin=origin)
         self.messages: list[dict] = []
         self.frames: list[tuple[int, int | None, int, np.ndarray]] = []
         self.seq = 0

@@ -199,10 +199,29 @@ def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_
         for first, reason in ((json.dumps({"type": "controls", "mouse": [0, 0], "buttons": [0] * 11, "seq": 1}),
                                "first message must be a hello"),
                               (json.dumps({"type": "hello", "version": 2}), "version 2 is not served"),
+                              (json.dumps({"type": "hello", "version": 1.0}), "version 1.0 is not served"),
                               (json.dumps({"type": "hello", "version": 1, "level": -5}), "hello.level"),
                               (json.dumps({"type": "hello", "version": 1, "format": "ü" * 200}), "hello.format")):
             code, why = closed_with(Player(server.ws_url, first=first))
             assert code == protocol.CLOSE_PROTOCOL and reason in why, (code, why)
+        foreign = connect(server.ws_url, open_timeout=30, legacy=True, origin="https://evil.example")  # another site's page
+        with pytest.raises(ConnectionClosed) as closed:
+            foreign.recv(timeout=30)
+        assert closed.value.rcvd.code == protocol.CLOSE_PROTOCOL
+        assert "a page from https://evil.example may not play here" in closed.value.rcvd.reason
+        own = Player(server.ws_url, origin=server.url)  # the server's own page
+        assert own.welcome["type"] == "welcome"
+        own.close()
+        # a page's new levels wait their turn (one each COSTLY_EVENT_INTERVAL_S): the good player's frames go on
+        leveller = Player(server.ws_url, format="png")
+        for _ in range(16):
+            leveller.send({"type": "event", "name": "level"})
+        seen = len(good.frames)
+        deadline = time.monotonic() + 8
+        while len(good.frames) < seen + 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(good.frames) >= seen + 10, "one page's queued levels stalled another player's frames"
+        leveller.close()
         flood = Player(server.ws_url)
         try:
             for _ in range(2000):
@@ -436,6 +455,7 @@ def test_the_servers_flags_are_checked_with_the_fix(tmp_path):
         folders.append((["--record-dir", str(read_only / "r")], "is not writable"))
     for argv, text in [*folders, (["--max-sessions", "0"], "--max-sessions 0"), (["--max-sessions", "65"], "[1, 64]"),
                        (["--target-fps", "-1"], "--target-fps"),
+                       (["--idle-timeout", "1e-9"], "--idle-timeout 1e-09: must be a positive number of at least 1"),
                        (["--port", "70000"], "--port 70000"), (["--pp", "3"], "--pp: invalid choice"),
                        (["--pp", "2", "--one-by-one"], "with --pp 2 rank 1 makes every step in one batched call"),
                        (["--pp", "2", "--port", "0"], "'torchrun --nproc-per-node 2 -m inference.serve --pp 2 ...'"),
@@ -445,6 +465,31 @@ def test_the_servers_flags_are_checked_with_the_fix(tmp_path):
                         "'torchrun --nproc-per-node 3 -m inference.serve --pp 2 --tp 2 ...'")]:
         r = run_main("inference.serve", argv)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_slow_step_rate_still_lets_players_join_and_pause_at_once():
+    """--max-fps 0.05 (a step every 20 s): the model thread waits for the step awake to joins
+    and events, so a second player is welcomed and a pause answered in seconds, not at the next step."""
+    with Server("--max-sessions", 2, "--max-fps", 0.05) as server:
+        a = Player(server.ws_url)
+        a.next_frame()
+        t0 = time.monotonic()
+        b = Player(server.ws_url)
+        assert b.welcome["type"] == "welcome" and time.monotonic() - t0 < 8
+        a.send({"type": "event", "name": "pause"})
+        assert a.until(lambda m: m["type"] == "state")["paused"] and time.monotonic() - t0 < 8
+        a.close(), b.close()
+
+
+def test_a_players_recordings_past_the_last_few_are_removed(tmp_path):
+    from inference.web.scheduler import RECORDINGS_PER_PLAYER, Player as Session
+
+    session = Session(1, 0, None, 0, "jpeg", send=lambda message: None)
+    paths = [tmp_path / f"owl-{i:016d}.mp4" for i in range(RECORDINGS_PER_PLAYER + 2)]
+    for path in paths:
+        path.write_bytes(b"video")
+        session.keep_recording(path)
+    assert [p.exists() for p in paths] == [False, False] + [True] * RECORDINGS_PER_PLAYER
 
 
 def test_the_pages_keys_are_the_windows_bindings_in_browser_key_codes():

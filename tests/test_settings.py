@@ -224,3 +224,12 @@ def test_late_layers_may_be_a_share_of_the_depth(share, layers):
     with pytest.raises(SettingsError, match=r"OWL_KV_LATE_LAYERS='most' is malformed; accepted values: a layer count "
                                             r"\(an integer >= 1\) or a share of the model's depth \(quarter\|half"):
         resolve_settings({}, environ={"OWL_KV_STORAGE": "int8", "OWL_KV_LATE_LAYERS": "most"})
+
+
+def test_a_flag_in_lower_case_is_named_and_a_set_aside_config_codec_is_explained():
+    with pytest.warns(UserWarning, match="owl_kv_bits is ignored: OWL_\\* flags are read in capitals only; set OWL_KV_BITS"):
+        resolve_settings({}, environ={"owl_kv_bits": "4"})
+    with pytest.raises(SettingsError, match=r"OWL_K_FP8='0' and OWL_KV_STORAGE \(unset\) contradict.*\(the config's "
+                                            r"inference\.kv_storage=int8 steps aside once any KV codec flag is set: add "
+                                            r"OWL_KV_STORAGE=int8 to keep it\)"):
+        resolve_settings({"kv_storage": "int8"}, environ={"OWL_K_FP8": "0"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,9 @@ class Connection:
                     await asyncio.wrap_future(self.scheduler.remove_player(self.player))
                 except Stopping:  # the scheduler's thread is ending: it removes every player itself
                     pass
+                except asyncio.CancelledError:  # the server's shutdown gave up waiting: it removes every player
+                    sender.cancel()
+                    return
             self.closing = self.closing or closing
             if self.closing is not None:
                 self.wake.set()
@@ -130,6 +134,10 @@ class Connection:
         self.wake.set()
 
     async def _converse(self) -> None:
+        origin = self.ws.headers.get("origin")
+        if origin is not None and not same_site(origin, self.ws.headers.get("host", "")):
+            raise Closing(protocol.CLOSE_PROTOCOL, f"a page from {origin} may not play here: open the server's own "
+                                                   "page")
         try:
             hello = protocol.parse(await self._receive(self.limits.hello_timeout, "a hello first"))
         except ProtocolError as exc:
@@ -195,6 +203,17 @@ class Connection:
                                          "frame": self.player.frames, "dropped": self.player.dropped,
                                          "paused": self.player.paused, "step_ms": stats["last_step_ms"],
                                          "compile": stats["compile"]})
+
+
+def same_site(origin: str, host: str) -> bool:
+    """A browser's page (its ``Origin``) is this server's own (the ``Host`` it asked for): the
+    same host name, so another site's page in the player's browser cannot open a session here
+    (ports are not compared: a proxy in front may forward the host without its port)."""
+    try:
+        theirs, ours = urllib.parse.urlsplit(origin).hostname, urllib.parse.urlsplit("//" + host).hostname
+    except ValueError:
+        return False
+    return theirs is not None and theirs == ours
 
 
 def create_app(scheduler: Scheduler, limits: Limits | None = None) -> Starlette:

@@ -110,7 +110,7 @@ def parse(message: str | bytes) -> Hello | Controls | Event:
     kind = obj["type"]
     if kind == "hello":
         _fields(obj, {"version"}, {"seed", "level", "format"})
-        if isinstance(obj["version"], bool) or obj["version"] != VERSION:
+        if type(obj["version"]) is not int or obj["version"] != VERSION:  # (1.0 and true are not 1 here)
             raise ProtocolError("version", f"protocol version {_show(obj['version'])} is not served here; this "
                                            f"server speaks version {VERSION}")
         fmt = obj.get("format", "jpeg")

@@ -38,7 +38,12 @@ from ..video import MIN_FREE, Mp4Writer
 from .protocol import MAX_LEVEL, MOUSE_LIMIT, Controls, Event, Hello, frame_message
 
 MAX_PENDING_EVENTS = 16  # events a page may queue before the next step (more: a flood)
-RECORDING_NAME = re.compile(r"^[A-Za-z0-9_-]{16}\.mp4$")  # what record_start names a recording
+# Events that cost the model's thread a prefill or a new encoder: one per player per step, and
+# each at least this long after the player's last, so one page never stalls the others' frames.
+COSTLY_EVENTS = ("level", "restart", "record_start")
+COSTLY_EVENT_INTERVAL_S = 2.0
+RECORDINGS_PER_PLAYER = 8  # a player's older recordings go when it starts another
+RECORDING_NAME = re.compile(r"^owl-[A-Za-z0-9_-]{16}\.mp4$")  # what record_start names a recording (and prunes)
 RECORDING_KEEP_S = 3600
 SLOW_STEP_S = 1.0
 
@@ -96,7 +101,9 @@ class Player:
         self.frames = 0  # frames made since the session began
         self.dropped = 0  # frames the page was too slow to take (the app counts them)
         self.recorder: Mp4Writer | None = None
+        self.recordings: collections.deque = collections.deque()  # this player's finished recordings, oldest first
         self.actions = None  # the action log's file
+        self.costly_at = -COSTLY_EVENT_INTERVAL_S  # when its last costly event ran (time.monotonic)
 
     @property
     def start(self) -> dict:
@@ -117,14 +124,31 @@ class Player:
             self.events.append(event)
             return True
 
+    def keep_recording(self, path: Path) -> None:
+        """A finished recording to download; the player's oldest past RECORDINGS_PER_PLAYER go."""
+        self.recordings.append(path)
+        while len(self.recordings) > RECORDINGS_PER_PLAYER:
+            self.recordings.popleft().unlink(missing_ok=True)
+
     def take_controls(self) -> tuple[list[float], list[int], int | None]:
         with self.lock:
             mouse, self.dx, self.dy = [self.dx, self.dy], 0.0, 0.0
             return mouse, list(self.buttons), self.seq
 
     def take_events(self) -> list[Event]:
+        """The events due at this step, in order: all of them up to the first costly one that may
+        run (COSTLY_EVENTS); a costly one waits while the player's last ran too recently."""
+        now = time.monotonic()
         with self.lock:
-            events, self.events = list(self.events), collections.deque()
+            events = []
+            while self.events:
+                if self.events[0].name in COSTLY_EVENTS:
+                    if now - self.costly_at < COSTLY_EVENT_INTERVAL_S:
+                        break
+                    self.costly_at = now
+                    events.append(self.events.popleft())
+                    break
+                events.append(self.events.popleft())
             return events
 
 
@@ -253,8 +277,12 @@ class Scheduler(threading.Thread):
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
-            if self.opt.max_fps:
-                time.sleep(max(0.0, next_step - time.perf_counter()))
+            if self.opt.max_fps:  # wait for the step's time, awake to joins, leaves and events meanwhile
+                wait = next_step - time.perf_counter()
+                if wait > 0:
+                    self.wake.wait(min(wait, 0.05))
+                    self.wake.clear()
+                    continue
                 next_step = max(next_step + 1 / self.opt.max_fps, time.perf_counter())
             self._step(stepping)
 
@@ -437,7 +465,7 @@ class Scheduler(threading.Thread):
                 raise PlayerError("a recording is already running; record_stop ends it")
             self.opt.record_dir.mkdir(parents=True, exist_ok=True)
             self._prune_recordings()
-            player.recorder = Mp4Writer(self.opt.record_dir / f"{secrets.token_urlsafe(12)}.mp4", fps=self.opt.record_fps,
+            player.recorder = Mp4Writer(self.opt.record_dir / f"owl-{secrets.token_urlsafe(12)}.mp4", fps=self.opt.record_fps,
                                         scale=self.opt.record_scale, flag="recording", need=MIN_FREE)
             player.send({"type": "recording", "state": "started", "limit_frames": self.opt.record_frames})
         elif name == "record_stop":
@@ -455,6 +483,8 @@ class Scheduler(threading.Thread):
     def _finish_recording(self, player: Player) -> None:
         recorder, player.recorder = player.recorder, None
         path = recorder.close()
+        if path is not None:
+            player.keep_recording(path)
         if path is None:
             player.send({"type": "recording", "state": "empty", "frames": 0})
         else:
