@@ -67,8 +67,11 @@ class CoreBudget:
     (threads chosen by hand). ``check()`` between frames; ``limited`` says whether the last
     check gave torch fewer threads than ``cores``."""
 
-    def __init__(self, cores: int, adaptive: bool = True, interval_s: float = 1.0, probe=None, clock=time.monotonic):
-        self.cores, self.interval_s, self.clock = max(1, cores), interval_s, clock
+    def __init__(self, cores: int, adaptive: bool = True, interval_s: float = 1.0, probe=None, clock=time.monotonic,
+                 free_below: float = 0.3):
+        """``free_below``: the share of a core other processes may use while it still counts as
+        free (idle noise, or a server's own players' pages beside it)."""
+        self.cores, self.interval_s, self.clock, self.free_below = max(1, cores), interval_s, clock, free_below
         self.probe = probe or (lambda: (system_busy_ticks(), own_ticks()))
         self.adaptive = adaptive and self.probe()[0] is not None
         self.threads = self.cores
@@ -91,8 +94,8 @@ class CoreBudget:
         wall = now - self._last[0]
         self.others = max(0.0, ((busy - self._last[1]) - (own - self._last[2])) / TICKS / wall)
         self._last = (now, busy, own)
-        # a core counts as free when others use under 70% of it: idle noise keeps every core
-        threads = max(1, min(self.cores, int(self.cores - self.others + 0.3)))
+        # a core counts as free while others use at most free_below of it: idle noise keeps every core
+        threads = max(1, min(self.cores, int(self.cores - self.others + self.free_below)))
         if threads != self.threads:
             import torch
 

@@ -150,15 +150,16 @@ def processes(args) -> int:
     return 1 + args.tp if args.pp == 2 else args.tp
 
 
-def run_settings(args) -> tuple[WorldConfig, Settings, CoreBudget]:
+def run_settings(args, free_below: float = 0.3) -> tuple[WorldConfig, Settings, CoreBudget]:
     """The checkpoint's config, read once, the settings (its ``inference:`` section under the
     OWL_* flags, then --seed) and the thread budget: threads not chosen by hand follow the cores
-    other processes leave free (one process; TP ranks share the cores by count)."""
+    other processes leave free (one process; TP ranks share the cores by count; ``free_below``:
+    CoreBudget's)."""
     world = load_world(args.checkpoint)
     chosen = resolve_settings(world.inference)
     settings = with_threads(chosen, processes(args))
     budget = CoreBudget(settings.generator_threads, adaptive=chosen.threads == 0 and processes(args) == 1
-                        and not os.environ.get("OMP_NUM_THREADS"))
+                        and not os.environ.get("OMP_NUM_THREADS"), free_below=free_below)
     return world, settings.replace(seed=args.seed) if args.seed is not None else settings, budget
 
 

@@ -53,6 +53,8 @@ from .web.app import Limits, create_app  # noqa: E402
 from .web.protocol import MAX_LEVEL, MAX_MESSAGE_BYTES, MAX_SEED  # noqa: E402
 from .web.scheduler import Scheduler, ServeOptions  # noqa: E402
 
+SERVE_FREE_BELOW = 0.7  # a core counts as free while other processes use at most 70% of it (CoreBudget)
+
 USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, FileNotFoundError, ValueError, OSError,
                TPError)
 
@@ -154,10 +156,10 @@ def main(argv=None) -> int:
     keep_graphs_between_starts()
     temporary = ctx = None
     try:
-        # A server keeps its thread count (OWL_THREADS, or the physical cores): following the cores
-        # other processes leave free, as the window does, switched graphs mid-game and measured
-        # seconds-long stalls beside the players' own clients.
-        world, settings, _ = run_settings(args)
+        # Threads not chosen by hand follow the cores other processes leave free, as the window's
+        # do (a thread per core beside a busy neighbour collapses the frame rate), but a core counts
+        # as taken only when others use most of it: the players' own pages beside the server do not.
+        world, settings, budget = run_settings(args, free_below=SERVE_FREE_BELOW)
         if args.pp == 2:
             ctx = ParallelContext.launch(processes(args), settings.device, settings.tp_timeout_s,
                                          settings.tp_check_every, settings.tp_reduce,
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
 
         def ready(scheduler):
             if ctx is None:  # two stages: rank 1 compiles, rank 0 never calls the model
-                compile_in_background(scheduler.sessions.runner, settings, None, serve_rows(limit, options.batched))
+                compile_in_background(scheduler.sessions.runner, settings, budget, serve_rows(limit, options.batched))
 
         running = []  # the web server, once it runs
 
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
             for web in running:
                 web.should_exit = True
 
-        scheduler = Scheduler(build, options, on_ready=ready, on_fail=failed)
+        scheduler = Scheduler(build, options, on_ready=ready, on_fail=failed, budget=budget)
         scheduler.start()
         scheduler.ready.wait()
         if scheduler.error is not None:

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                     if not all(x["arrivals"] for x in results):
                         print(f"warning: a player got no frames in round {r + 1}, {n} players; the {mode} server's "
                               f"output: {server.log}", flush=True)
-                    out = summary(results, args.seconds)
+                    out = {**summary(results, args.seconds), "threads": server.health()["threads"]}
                     runs[(n, mode)].append(out)
                     print(f"round {r + 1} players {n} {mode}: " + " ".join(f"{k} {v:.1f}" for k, v in out.items()),
                           flush=True)

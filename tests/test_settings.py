@@ -185,6 +185,28 @@ def test_threads_follow_the_cores_other_processes_leave_free():
         fixed = CoreBudget(2, adaptive=False, probe=lambda: tuple(ticks), clock=lambda: clock[0])
         advance(2.0, others=2.0, own=0.0)
         assert fixed.check() == 2 and not fixed.limited
+        server = CoreBudget(2, probe=lambda: tuple(ticks), clock=lambda: clock[0], free_below=0.7)
+        advance(1.0, others=1.0, own=1.0)  # a whole busy neighbour takes a core from the server too
+        assert server.check() == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_window_counts_a_core_taken_sooner_than_the_server():
+    """The same half-busy neighbour: the window's budget (free_below 0.3) gives up a core, the
+    server's (0.7) keeps both."""
+    from inference.cores import TICKS, CoreBudget
+    from inference.serve import SERVE_FREE_BELOW
+
+    before = torch.get_num_threads()
+    try:
+        for free_below, threads in ((0.3, 1), (SERVE_FREE_BELOW, 2)):
+            clock, ticks = [0.0], [0, 0]
+            budget = CoreBudget(2, probe=lambda: tuple(ticks), clock=lambda: clock[0], free_below=free_below)
+            clock[0] += 1.0
+            ticks[0] += int(2.0 * TICKS)  # others took half a core, this process 1.5
+            ticks[1] += int(1.5 * TICKS)
+            assert budget.check() == threads
     finally:
         torch.set_num_threads(before)
 

@@ -162,12 +162,14 @@ def encode_image(frame: np.ndarray, fmt: str, quality: int) -> bytes:
 
 
 class Scheduler(threading.Thread):
-    def __init__(self, build, options: ServeOptions, on_ready=None, log=print, on_fail=None):
+    def __init__(self, build, options: ServeOptions, on_ready=None, log=print, on_fail=None, budget=None):
         """``build()`` -> ``Sessions`` (run on this thread: on the CPU torch's thread pool belongs
         to the thread that first runs it); ``on_ready(scheduler)`` runs here once it is built;
-        ``on_fail(error)`` when the stages of a two-stage server fail (the server cannot go on)."""
+        ``on_fail(error)`` when the stages of a two-stage server fail (the server cannot go on);
+        ``budget`` (a CoreBudget): torch's threads, re-checked before each step."""
         super().__init__(daemon=True, name="owl-serve-steps")
         self.build, self.opt, self.on_ready, self.log, self.on_fail = build, options, on_ready, log, on_fail
+        self.budget = budget
         self.sessions: Sessions | None = None
         self.players: list[Player] = []  # this thread's
         self.joined = 0
@@ -382,7 +384,8 @@ class Scheduler(threading.Thread):
                       "last_step_ms": round(self.last_step_s * 1000, 2), "frames": self.frames_made,
                       "batched": self.opt.batched, "measured_with": self.measured_with,
                       "decode": self.sessions.settings.decode, "stages": 1 if self.sessions.stages is None else 2,
-                      "generating_ranks": 1 if self.sessions.stages is None else self.sessions.stages.generating_ranks}
+                      "generating_ranks": 1 if self.sessions.stages is None else self.sessions.stages.generating_ranks,
+                      "threads": self.budget.threads if self.budget is not None else self.sessions.settings.threads}
 
     def _join(self, hello: Hello, send) -> Player:
         if len(self.players) >= self.capacity:
@@ -492,6 +495,8 @@ class Scheduler(threading.Thread):
                          "url": f"/recordings/{path.name}"})
 
     def _step(self, stepping: list[Player]) -> None:
+        if self.budget is not None:
+            self.budget.check()
         taken = {p: p.take_controls() for p in stepping}
         controls = {p.pipe: (mouse, buttons) for p, (mouse, buttons, _) in taken.items()}
         t0 = time.perf_counter()
