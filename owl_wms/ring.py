@@ -414,9 +414,10 @@ class RingCache:
         size = max(ref_k.abs().max().item(), ref_v.abs().max().item())
         self.checksum_log.append((frame, layer, diff, size))
 
-    def guard_report(self) -> str | None:
-        """One line once the checksum window is over (None before, or without checksum)."""
-        if self.guard < 2 or self.shadow is not None or not self.checksum_log:
+    def guard_report(self, final: bool = False) -> str | None:
+        """One line once the checksum window is over, or (``final``: the run ends) over the frames
+        checked so far (None without checksum, or before)."""
+        if self.guard < 2 or not self.checksum_log or (self.shadow is not None and not final):
             return None
         return checksum_report(self.checksum_log, self.plans, len(self.owners))
 

@@ -407,6 +407,16 @@ def test_ring_guard_catches_a_frame_written_one_slot_off(monkeypatch):
         ring_write(ring, *kv_frames(cfg, 1, 7.0))
 
 
+def test_a_run_shorter_than_the_checksum_window_still_reports_at_its_end():
+    cfg = tiny_config()
+    _, pipe = rollout(cfg, kv(OWL_RING_MODE="inplace", OWL_KV_STORAGE="int8", OWL_RING_GUARD="checksum:16"), 3)
+    assert pipe.cache.guard_report() is None  # the window is still open
+    said = []
+    pipe.verbose, pipe.log = True, said.append
+    pipe.close()
+    assert len(said) == 1 and "ring guard checksum" in said[0] and "within int8's rounding" in said[0]
+
+
 @pytest.mark.parametrize("storage, exact", [("bf16", True), ("int8", False)])
 def test_checksum_guard_compares_with_a_float32_shadow(storage, exact):
     cfg = tiny_config()

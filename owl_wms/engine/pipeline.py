@@ -190,8 +190,12 @@ class CausvidPipeline:
     def finish_frame(self, plan: StepPlan, latent: torch.Tensor, calls: int) -> None:
         """After ``plan``'s frame ``latent`` was made in ``calls`` model calls (its history's included)."""
         self.planner.finish(plan, latent, calls)
-        report = self.verbose and getattr(self.cache, "guard_report", lambda: None)()
-        if report and report != self._guard_said:  # the ring guard's checksum window is over
+        self._say_guard_report()
+
+    def _say_guard_report(self, final: bool = False) -> None:
+        """The ring guard's checksum line once its window is over (``final``: the run ends first)."""
+        report = self.verbose and getattr(self.cache, "guard_report", lambda final: None)(final)
+        if report and report != self._guard_said:
             self.log(report)
             self._guard_said = report
 
@@ -208,7 +212,9 @@ class CausvidPipeline:
     get_state, load_state, save_state = snapshot.get_state, snapshot.load_state, snapshot.save_state
 
     def close(self):
-        """Rank 0 of a TP or two-stage run: the other ranks stop (after a final check)."""
+        """The run ends: the ring guard's checksum line if its window never closed; rank 0 of a TP
+        or two-stage run: the other ranks stop (after a final check)."""
+        self._say_guard_report(final=True)
         if isinstance(self.stages, FirstStage):
             return self.stages.stop()
         return self.tp.stop() if self.tp is not None else None
