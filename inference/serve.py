@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import os
 import shutil
 import signal
@@ -253,6 +254,15 @@ def generate(args, world, settings, ctx: ParallelContext, mesh: ParallelContext 
     return 0
 
 
+def one_line_client_faults(record: logging.LogRecord) -> bool:
+    """A page's malformed websocket frame (a text message that is not UTF-8) is the page's fault,
+    already answered by a close (1007): one log line, not the web server's traceback."""
+    if record.exc_info and isinstance(record.exc_info[1], UnicodeDecodeError):
+        record.msg, record.args, record.exc_info, record.exc_text = ("a page sent a text message that is not UTF-8 "
+                                                                     "(closed with 1007)"), (), None, None
+    return True
+
+
 def serve(scheduler: Scheduler, sock: socket.socket, limits: Limits, running: list | None = None) -> int:
     """Serve the pages until stopped (``running`` gets the web server: a failure elsewhere stops it)."""
     import uvicorn
@@ -262,6 +272,7 @@ def serve(scheduler: Scheduler, sock: socket.socket, limits: Limits, running: li
     print(f"[owl] serving at http://{shown}:{port}/ : open it in a browser to play (Ctrl-C stops)", flush=True)
     config = uvicorn.Config(create_app(scheduler, limits), ws="websockets-sansio", ws_max_size=MAX_MESSAGE_BYTES,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=3)
+    logging.getLogger("uvicorn.error").addFilter(one_line_client_faults)  # (after Config: it sets up logging)
     web = uvicorn.Server(config)
     if running is not None:
         running.append(web)

@@ -209,6 +209,13 @@ def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_
             foreign.recv(timeout=30)
         assert closed.value.rcvd.code == protocol.CLOSE_PROTOCOL
         assert "a page from https://evil.example may not play here" in closed.value.rcvd.reason
+        garbled = connect(server.ws_url, open_timeout=30, legacy=True)  # a text message that is not UTF-8
+        garbled.send(json.dumps({"type": "hello", "version": 1}))
+        garbled.send(b'\xff\xfe{"type"', text=True)
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                garbled.recv(timeout=30)
+        assert closed.value.rcvd.code == 1007
         own = Player(server.ws_url, origin=server.url)  # the server's own page
         assert own.welcome["type"] == "welcome"
         own.close()
@@ -241,6 +248,7 @@ def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_
         playing.clear()
         player.join(60)
         good.close()
+    assert "not UTF-8 (closed with 1007)" in server.output and "Traceback" not in server.output, server.output[-3000:]
     shown = {index: image for index, _, _, image in good.frames if index <= 160}  # a slow reader skips some
     assert len(shown) >= 40
     want = alone(tmp_path, 21, [([0.0, 0.0], [0] * 11)] * max(shown), max(shown), "good")
