@@ -50,7 +50,7 @@ from .game_cv import (  # noqa: E402
     run_settings,
 )
 from .video import OutputPathError  # noqa: E402
-from .web.app import Limits, create_app  # noqa: E402
+from .web.app import Limits, create_app, page_socket_protocol  # noqa: E402
 from .web.protocol import MAX_LEVEL, MAX_MESSAGE_BYTES, MAX_SEED  # noqa: E402
 from .web.scheduler import Scheduler, ServeOptions  # noqa: E402
 
@@ -270,7 +270,7 @@ def serve(scheduler: Scheduler, sock: socket.socket, limits: Limits, running: li
     host, port = sock.getsockname()[:2]
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host  # (IPv6 in brackets)
     print(f"[owl] serving at http://{shown}:{port}/ : open it in a browser to play (Ctrl-C stops)", flush=True)
-    config = uvicorn.Config(create_app(scheduler, limits), ws="websockets-sansio", ws_max_size=MAX_MESSAGE_BYTES,
+    config = uvicorn.Config(create_app(scheduler, limits), ws=page_socket_protocol(), ws_max_size=MAX_MESSAGE_BYTES,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=3)
     logging.getLogger("uvicorn.error").addFilter(one_line_client_faults)  # (after Config: it sets up logging)
     web = uvicorn.Server(config)

@@ -216,6 +216,13 @@ def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_
             while True:
                 garbled.recv(timeout=30)
         assert closed.value.rcvd.code == 1007
+        pinger = Player(server.ws_url)  # pings never reach the app: the protocol counts them
+        with pytest.raises(ConnectionClosed) as closed:
+            for i in range(400):
+                pinger.ws.ping(str(i))
+            while True:
+                pinger.ws.recv(timeout=30)
+        assert closed.value.rcvd.code == protocol.CLOSE_PROTOCOL and "too many pings" in closed.value.rcvd.reason
         own = Player(server.ws_url, origin=server.url)  # the server's own page
         assert own.welcome["type"] == "welcome"
         own.close()

@@ -205,6 +205,35 @@ class Connection:
                                          "compile": stats["compile"]})
 
 
+PING_RATE, PING_BURST = 10.0, 20  # pings a second a page may send (a browser sends almost none)
+
+
+def page_socket_protocol():
+    """The websocket protocol uvicorn runs for each page: its sans-I/O one, with pings counted, so
+    a flood of pings (which never reach the app) is closed like a flood of messages. Where that
+    protocol is not found (another uvicorn), uvicorn's own, by name."""
+    try:
+        from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+    except ImportError:
+        return "websockets-sansio"
+
+    class PageSocket(WebSocketsSansIOProtocol):
+        ping_tokens, ping_at = float(PING_BURST), None
+
+        def handle_ping(self) -> None:
+            now = time.monotonic()
+            if self.ping_at is not None:
+                self.ping_tokens = min(PING_BURST, self.ping_tokens + (now - self.ping_at) * PING_RATE)
+            self.ping_at, self.ping_tokens = now, self.ping_tokens - 1
+            if self.ping_tokens >= 0:
+                return super().handle_ping()
+            if self.conn.close_sent is None:  # closed as the protocol closes a malformed frame
+                self.conn.send_close(protocol.CLOSE_PROTOCOL, f"too many pings: at most {PING_RATE:g} a second")
+                self.handle_parser_exception()
+
+    return PageSocket
+
+
 def same_site(origin: str, host: str) -> bool:
     """A browser's page (its ``Origin``) is this server's own (the ``Host`` it asked for): the
     same host name, so another site's page in the player's browser cannot open a session here
