@@ -58,12 +58,7 @@ def main(argv=None):
         finally:
             neighbour.kill()
             neighbour.wait()
-    for r in rows:
-        r["ratio"] = r["fps"] / rows[0]["fps"]
-        print(f"{r['run']:<45} {r['fps']:7.2f} FPS  {r['ratio']:.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "frames": args.frames, "rows": rows}, f, indent=1)
+    report(rows, args.json, {"frames": args.frames})
 
 
 def serve_rows(args) -> None:
@@ -102,12 +97,18 @@ def serve_rows(args) -> None:
                 neighbour.kill()
                 neighbour.wait()
             server.stop()
+    report(rows, args.json, {"serve_seconds": args.serve})
+
+
+def report(rows: list[dict], path: str | None, run: dict) -> None:
+    """Each row's rate as a ratio to the first's (the free machine), printed and, with a path, kept."""
     for r in rows:
         r["ratio"] = r["fps"] / rows[0]["fps"]
-        print(f"{r['run']:<45} {r['fps']:7.2f} FPS  {r['ratio']:.3f}x  (threads at the end: {r['threads']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "serve_seconds": args.serve, "rows": rows}, f, indent=1)
+        threads = f"  (threads at the end: {r['threads']})" if "threads" in r else ""
+        print(f"{r['run']:<45} {r['fps']:7.2f} FPS  {r['ratio']:.3f}x{threads}")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"machine": machine(), **run, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
