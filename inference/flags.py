@@ -50,7 +50,7 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     try:
         return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
     except SettingsError as exc:
-        if not set_aside:
+        if not set_aside or not set(exc.params) & set(CODEC_FIELDS):
             raise
         given = ", ".join(f"inference.{k}={v}" for k, v in set_aside.items())
         flags = " ".join(f"{FLAGS[k]}={v}" for k, v in set_aside.items())

@@ -178,8 +178,8 @@ def start_clip(args) -> int | None:
 
 
 def check_start(args, world: WorldConfig) -> None:
-    """Before any weights load: the start (--clip) and, headless, the action scripts, whose
-    frame count becomes --frames where none was given."""
+    """Before any weights load: the start (--clip) and, headless, the action scripts (one
+    script's frame count becomes --frames where none was given)."""
     clips = len(world_clips(world))
     if args.clip is None:
         args.clip = "0"
@@ -192,8 +192,8 @@ def check_start(args, world: WorldConfig) -> None:
     if args.headless:
         specs = args.actions.split(",")
         scripts = [load_actions(spec, args.frames, clips=clips) for spec in specs]
-        if args.frames is None:
-            args.frames = max(sum(not is_event(x) for x in items) for items in scripts)
+        if args.frames is None and len(scripts) == 1:  # (several scripts: each session runs its own length)
+            args.frames = sum(not is_event(x) for x in scripts[0])
 
 
 def compile_pays(args) -> bool:

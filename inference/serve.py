@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import ipaddress
 import logging
 import os
 import shutil
@@ -50,7 +51,7 @@ from .game_cv import (  # noqa: E402
     run_settings,
 )
 from .video import OutputPathError  # noqa: E402
-from .web.app import Limits, create_app, page_socket_protocol  # noqa: E402
+from .web.app import Limits, create_app, host_name, page_socket_protocol  # noqa: E402
 from .web.protocol import MAX_LEVEL, MAX_MESSAGE_BYTES, MAX_SEED  # noqa: E402
 from .web.scheduler import Scheduler, ServeOptions  # noqa: E402
 
@@ -65,6 +66,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_world_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="NAME",
+                   help="a host name whose pages may play besides the server's own (a proxy's public name; repeatable)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one, printed)")
     p.add_argument("--max-sessions", type=int, default=None,
                    help="players served at once (default: measured at start-up against --target-fps)")
@@ -107,6 +110,11 @@ def parse_args(argv=None):
                             ("--max-fps", args.max_fps, 0)):
         if value is not None and not (0 < value <= 100_000 and value >= lo):
             p.error(f"{flag} {value}: must be a positive number" + (f" of at least {lo}" if lo else ""))
+    names = [host_name(v.split("://", 1)[-1]) if v.strip() else None for v in args.allow_origin]
+    for value, name in zip(args.allow_origin, names):
+        if not name:
+            p.error(f"--allow-origin {value!r}: give a host name, e.g. play.example.org")
+    args.allow_origin = names
     for flag, value in (("--record-dir", args.record_dir), ("--save-actions", args.save_actions)):
         if value is not None and (problem := folder_problem(Path(value))):
             p.error(f"{flag} {value!r}: {problem}; choose another folder")
@@ -123,6 +131,13 @@ def folder_problem(folder: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return "is not writable" if existing == folder else f"cannot be made: {str(existing)!r} is not writable"
     return None
+
+
+def is_loopback(sock: socket.socket) -> bool:
+    try:
+        return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -210,7 +225,9 @@ def main(argv=None) -> int:
         if args.record_dir is None:  # made once start-up is over: an interrupted start leaves nothing
             temporary = tempfile.mkdtemp(prefix="owl-recordings-")
             options.record_dir = Path(temporary)
-        code = serve(scheduler, sock, Limits(idle_timeout=args.idle_timeout), running)
+        limits = Limits(idle_timeout=args.idle_timeout, allow_origins=tuple(args.allow_origin),
+                        loopback_only=is_loopback(sock))
+        code = serve(scheduler, sock, limits, running)
         if isinstance(scheduler.error, TPError) or is_collective_error(scheduler.error):
             raise scheduler.error
         return code
@@ -257,7 +274,7 @@ def generate(args, world, settings, ctx: ParallelContext, mesh: ParallelContext 
 def one_line_client_faults(record: logging.LogRecord) -> bool:
     """A page's malformed websocket frame (a text message that is not UTF-8) is the page's fault,
     already answered by a close (1007): one log line, not the web server's traceback."""
-    if record.exc_info and isinstance(record.exc_info[1], UnicodeDecodeError):
+    if record.exc_info and isinstance(record.exc_info[1], UnicodeDecodeError) and "UTF-8" in str(record.msg):
         record.msg, record.args, record.exc_info, record.exc_text = ("a page sent a text message that is not UTF-8 "
                                                                      "(closed with 1007)"), (), None, None
     return True

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import pickletools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,11 +76,24 @@ def _read_file(path: Path):
             return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
     except pickle.UnpicklingError as exc:  # torch's message suggests weights_only=False: never taken here
+        if not refused_as_unsafe(exc):
+            raise CheckpointError(f"checkpoint file {str(path)!r} could not be read: it is damaged or not a torch "
+                                  f"file{unpickler_reason(exc)}") from None
         raise CheckpointError(f"checkpoint file {str(path)!r} holds pickled objects other than tensors, which are "
                               f"never loaded (they could run code){unpickler_reason(exc)}; save the "
                               "weights as a state dict of tensors (safetensors: safetensors.torch.save_file)") from None
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {str(path)!r} could not be read: {exc}") from exc
+
+
+def refused_as_unsafe(exc: Exception) -> bool:
+    """torch's weights-only unpickler refused a real pickle instruction (a global, an object),
+    not bytes that are no pickle at all (a damaged file)."""
+    text = str(exc)
+    if "Unsupported global" in text:
+        return True
+    found = re.search(r"Unsupported operand (\d+)", text)
+    return found is not None and int(found.group(1)) in {ord(op.code) for op in pickletools.opcodes}
 
 
 def unpickler_reason(exc: Exception) -> str:

@@ -371,7 +371,7 @@ def test_a_second_writer_of_the_same_output_leaves_the_first_ones_video_alone(tm
 
     from inference import video
 
-    other = tmp_path / f".x.{os.getpid() + 1}.partial.mp4"  # another process's video in progress
+    other = tmp_path / f".x.{os.getpid() + 1}-0.partial.mp4"  # another process's video in progress
     other.write_bytes(b"frames")
     first = video.Mp4Writer(tmp_path / "x.mp4", fps=15)
     second = video.Mp4Writer(tmp_path / "x.mp4", fps=15)

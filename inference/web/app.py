@@ -24,7 +24,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..bindings import browser_bindings
 from . import protocol
 from .protocol import Controls, Event, Hello, ProtocolError
-from .scheduler import RECORDING_NAME, Player, Scheduler, ServerFull, Stopping
+from .scheduler import COSTLY_EVENT_INTERVAL_S, RECORDING_NAME, Player, Scheduler, ServerFull, Stopping
 
 STATIC = Path(__file__).parent / "static"
 
@@ -37,6 +37,8 @@ class Limits:
     burst: int = 240
     max_errors: int = 20  # malformed messages before the connection is closed
     max_outbox: int = 64  # JSON messages waiting for a slow page before it is closed
+    allow_origins: tuple[str, ...] = ()  # host names whose pages may play besides the server's own (--allow-origin)
+    loopback_only: bool = False  # bound to a loopback address: a page must have asked for a loopback name
 
 
 class Closing(Exception):
@@ -130,14 +132,16 @@ class Connection:
         if self.errors > self.limits.max_errors:
             raise Closing(protocol.CLOSE_PROTOCOL, f"more than {self.limits.max_errors} malformed messages; "
                                                    f"the last: {exc}")
-        self.messages.append({"type": "error", "code": exc.code, "message": str(exc)})
+        self._tell_error(exc.code, str(exc))
+
+    def _tell_error(self, code: str, message: str) -> None:
+        self.messages.append({"type": "error", "code": code, "message": message})
         self.wake.set()
 
     async def _converse(self) -> None:
-        origin = self.ws.headers.get("origin")
-        if origin is not None and not same_site(origin, self.ws.headers.get("host", "")):
-            raise Closing(protocol.CLOSE_PROTOCOL, f"a page from {origin} may not play here: open the server's own "
-                                                   "page")
+        refusal = page_refusal(self.ws.headers.get("origin"), self.ws.headers.get("host", ""), self.limits)
+        if refusal is not None:
+            raise Closing(protocol.CLOSE_PROTOCOL, refusal)
         try:
             hello = protocol.parse(await self._receive(self.limits.hello_timeout, "a hello first"))
         except ProtocolError as exc:
@@ -166,8 +170,12 @@ class Connection:
             if isinstance(message, Controls):
                 self.player.set_controls(message)
             elif isinstance(message, Event):
-                if not self.player.add_event(message):
+                added = self.player.add_event(message)
+                if added == "flood":
                     raise Closing(protocol.CLOSE_PROTOCOL, "too many events waiting for the next frame")
+                if added == "busy":  # (not a fault: a page may click faster than the pacing)
+                    self._tell_error("busy", f"{message.name}: the last ones still wait their turn (one each "
+                                             f"{COSTLY_EVENT_INTERVAL_S:g} s); try again in a moment")
                 self.scheduler.wake.set()
             else:
                 self._fault(ProtocolError("hello_again", "hello was already said; send controls or event messages"))
@@ -234,15 +242,33 @@ def page_socket_protocol():
     return PageSocket
 
 
-def same_site(origin: str, host: str) -> bool:
-    """A browser's page (its ``Origin``) is this server's own (the ``Host`` it asked for): the
-    same host name, so another site's page in the player's browser cannot open a session here
-    (ports are not compared: a proxy in front may forward the host without its port)."""
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(netloc: str) -> str | None:
     try:
-        theirs, ours = urllib.parse.urlsplit(origin).hostname, urllib.parse.urlsplit("//" + host).hostname
+        return urllib.parse.urlsplit("//" + netloc).hostname
     except ValueError:
-        return False
-    return theirs is not None and theirs == ours
+        return None
+
+
+def page_refusal(origin: str | None, host: str, limits: Limits) -> str | None:
+    """Why a websocket may not play here (None: it may). A browser's page (its ``Origin``) must
+    be this server's own (the host name it asked for, ``Host``; ports are not compared, as a proxy
+    may forward the host without its port) or one of ``--allow-origin``, so another site open in
+    the player's browser cannot open a session. A server on a loopback address answers only to
+    loopback names (or ``--allow-origin``): a site whose name was made to resolve to 127.0.0.1
+    (DNS rebinding) asks for its own name. Clients that send no ``Origin`` (scripts) may play."""
+    asked = host_name(host)
+    if limits.loopback_only and asked not in (*LOOPBACK_NAMES, *limits.allow_origins):
+        return (f"this server answers to localhost only, not {asked!r}: open http://127.0.0.1:<port>/ "
+                f"(or start it with --allow-origin {asked})")
+    if origin is None:
+        return None
+    page = host_name(origin.split("://", 1)[-1]) if "://" in origin else None
+    if page is None or (page != asked and page not in limits.allow_origins):
+        return f"a page from {origin} may not play here: open the server's own page (or --allow-origin)"
+    return None
 
 
 def create_app(scheduler: Scheduler, limits: Limits | None = None) -> Starlette:

@@ -34,7 +34,7 @@ from owl_wms.maze.worlds import load_level
 from owl_wms.parallel import TPError, is_collective_error
 
 from ..actions import action_line, apply_event
-from ..video import MIN_FREE, Mp4Writer
+from ..video import MIN_FREE, Mp4Writer, remove_quietly
 from .protocol import MAX_LEVEL, MOUSE_LIMIT, Controls, Event, Hello, frame_message
 
 MAX_PENDING_EVENTS = 16  # events a page may queue before the next step (more: a flood)
@@ -42,6 +42,7 @@ MAX_PENDING_EVENTS = 16  # events a page may queue before the next step (more: a
 # each at least this long after the player's last, so one page never stalls the others' frames.
 COSTLY_EVENTS = ("level", "restart", "record_start")
 COSTLY_EVENT_INTERVAL_S = 2.0
+MAX_WAITING_COSTLY = 2  # more costly events than this waiting: the page hears "busy" and the event is not queued
 RECORDINGS_PER_PLAYER = 8  # a player's older recordings go when it starts another
 RECORDING_NAME = re.compile(r"^owl-[A-Za-z0-9_-]{16}\.mp4$")  # what record_start names a recording (and prunes)
 RECORDING_KEEP_S = 3600
@@ -116,19 +117,28 @@ class Player:
             self.dy = max(-MOUSE_LIMIT, min(MOUSE_LIMIT, self.dy + c.mouse[1]))
             self.buttons, self.seq = c.buttons, c.seq
 
-    def add_event(self, event: Event) -> bool:
-        """Queue an event for the next step; False when too many wait already."""
+    def add_event(self, event: Event) -> str:
+        """Queue an event for the next step: "queued"; "busy" when too many costly events wait
+        their turn already (it is dropped); "flood" when too many events wait in all."""
         with self.lock:
             if len(self.events) >= MAX_PENDING_EVENTS:
-                return False
+                return "flood"
+            if event.name in COSTLY_EVENTS and sum(e.name in COSTLY_EVENTS for e in self.events) >= MAX_WAITING_COSTLY:
+                return "busy"
             self.events.append(event)
-            return True
+            return "queued"
+
+    def events_due(self) -> bool:
+        """Whether the next step takes any of its events (a costly one may have to wait)."""
+        with self.lock:
+            return bool(self.events) and (self.events[0].name not in COSTLY_EVENTS
+                                          or time.monotonic() - self.costly_at >= COSTLY_EVENT_INTERVAL_S)
 
     def keep_recording(self, path: Path) -> None:
         """A finished recording to download; the player's oldest past RECORDINGS_PER_PLAYER go."""
         self.recordings.append(path)
         while len(self.recordings) > RECORDINGS_PER_PLAYER:
-            self.recordings.popleft().unlink(missing_ok=True)
+            remove_quietly(self.recordings.popleft())
 
     def take_controls(self) -> tuple[list[float], list[int], int | None]:
         with self.lock:
@@ -267,7 +277,7 @@ class Scheduler(threading.Thread):
             if not self.players and self.measured_with != "compiled" == self.sessions.runner.compile_state():
                 self._measure_capacity()  # every compiled graph is in: measured again while nobody plays
                 self._publish()
-            if self.stage is not None and (not self.tasks.empty() or any(p.events for p in self.players)):
+            if self.stage is not None and (not self.tasks.empty() or any(p.events_due() for p in self.players)):
                 self._deliver_decoded(self.stage.drain())  # frames made before a join, leave or event go first
             self._run_tasks()
             for player in list(self.players):
