@@ -340,11 +340,14 @@ def main(argv=None) -> int:
 
 
 def exit_now(code: int):
-    """Exit with ``code``; the thread loading compiled graphs, if still at work (outputs are all
-    closed by now), is abandoned rather than unwound, which could abort the process (the compile
-    process sees us gone and ends)."""
+    """Exit with ``code``; the compile process is ended first, and the thread loading compiled
+    graphs, if still at work (outputs are all closed by now), is abandoned rather than unwound,
+    which could abort the process."""
     import threading
 
+    from owl_wms.engine.precompile import end_compile_processes
+
+    end_compile_processes()
     if any(t.name == "owl-compile-loader" and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -162,6 +163,21 @@ def reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
+COMPILE_PROCESS = "owl-compile"
+_ENDING = threading.Event()  # the app is exiting: no compile process starts any more
+
+
+def end_compile_processes() -> None:
+    """An app that exits ends its compile process first (quietly: by SIGTERM) and starts no other."""
+    import multiprocessing
+
+    _ENDING.set()
+    for child in multiprocessing.active_children():
+        if child.name == COMPILE_PROCESS:
+            child.terminate()
+            child.join(2)
+
+
 def _exit_with_parent() -> None:
     parent = os.getppid()
     while True:
@@ -173,8 +189,6 @@ def _exit_with_parent() -> None:
 @torch.no_grad()
 def compile_graphs(job: CompileJob, items: list[tuple[str, int, int]], conn) -> None:
     """The child: compiles and saves each graph of ``items``, telling the parent as each is written."""
-    import signal
-
     from torch._inductor import config as inductor
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the app, which ends us
@@ -281,8 +295,17 @@ class BackgroundCompile:
         conn, child_conn = ctx.Pipe(duplex=False)
         # the modules' weights move to shared memory as they are sent: the child reads, not copies, them
         self.process = ctx.Process(target=compile_graphs, args=(self.job, items, child_conn), daemon=True,
-                                   name="owl-compile")
-        self.process.start()
+                                   name=COMPILE_PROCESS)
+        # The child starts with Ctrl-C blocked (a signal mask outlives exec): the terminal's Ctrl-C
+        # reaches the whole process group, and the app, not the child importing torch, handles it.
+        if _ENDING.is_set():
+            conn.close(), child_conn.close()
+            return
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_conn.close()
         try:
             try:  # the frames being played come first (never below the app's own priority)
