@@ -34,7 +34,7 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     # (OWL_FP8_KV=1 means fp8 even where the config says kv_storage: int8).
     set_aside = {}
     if any(FLAGS[f] in environ for f in CODEC_FIELDS):
-        set_aside = {k: v for k, v in inference.items() if k in CODEC_FIELDS}
+        set_aside = {k: v for k, v in inference.items() if k in CODEC_FIELDS and FLAGS[k] not in environ}
         inference = {k: v for k, v in inference.items() if k not in CODEC_FIELDS}
     # OWL_KV_CACHE=none (the cache-free baseline) sets aside the config's whole cache plan.
     if str(environ.get(FLAGS["kv_cache"], "")).strip().lower() == "none":

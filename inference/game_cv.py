@@ -32,6 +32,7 @@ from owl_wms.parallel import ParallelContext, TPError, check_heads, is_collectiv
 from owl_wms.settings import Settings, SettingsError  # noqa: E402
 
 from .actions import BUILTIN, MAX_FRAMES, is_event, load_actions  # noqa: E402
+from .cli import ArgumentParser  # noqa: E402
 from .cores import CoreBudget  # noqa: E402
 from .flags import flag_message, resolve_settings, warnings_as_lines, with_threads  # noqa: E402
 from .headless import follow, run_headless, run_sessions  # noqa: E402
@@ -55,7 +56,7 @@ def add_world_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m inference.game_cv", description=__doc__,
+    p = ArgumentParser(prog="python -m inference.game_cv", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_world_arguments(p)
     p.add_argument("--clip", default=None,

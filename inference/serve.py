@@ -41,6 +41,7 @@ from owl_wms.maze.worlds import check_simulator  # noqa: E402
 from owl_wms.parallel import ParallelContext, TPError, check_heads, is_collective_error  # noqa: E402
 from owl_wms.settings import SettingsError  # noqa: E402
 
+from .cli import ArgumentParser  # noqa: E402
 from .flags import flag_message, warnings_as_lines  # noqa: E402
 from .signals import end_startup  # noqa: E402
 from .game_cv import (  # noqa: E402
@@ -62,7 +63,7 @@ USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, Fil
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m inference.serve", description=__doc__,
+    p = ArgumentParser(prog="python -m inference.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_world_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
