@@ -43,7 +43,7 @@ MAX_PENDING_EVENTS = 16  # events a page may queue before the next step (more: a
 COSTLY_EVENTS = ("level", "restart", "record_start")
 COSTLY_EVENT_INTERVAL_S = 2.0
 MAX_WAITING_COSTLY = 2  # more costly events than this waiting: the page hears "busy" and the event is not queued
-RECORDINGS_PER_PLAYER = 8  # a player's older recordings go when it starts another
+RECORDINGS_PER_PLAYER = 8  # a player's oldest recording goes when one more is done
 RECORDING_NAME = re.compile(r"^owl-[A-Za-z0-9_-]{16}\.mp4$")  # what record_start names a recording (and prunes)
 RECORDING_KEEP_S = 3600
 SLOW_STEP_S = 1.0
@@ -496,11 +496,10 @@ class Scheduler(threading.Thread):
     def _finish_recording(self, player: Player) -> None:
         recorder, player.recorder = player.recorder, None
         path = recorder.close()
-        if path is not None:
-            player.keep_recording(path)
         if path is None:
             player.send({"type": "recording", "state": "empty", "frames": 0})
         else:
+            player.keep_recording(path)
             player.send({"type": "recording", "state": "done", "frames": recorder.frames,
                          "url": f"/recordings/{path.name}"})
 
