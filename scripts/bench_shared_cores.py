@@ -22,8 +22,7 @@ import sys
 import time
 
 from inference.flags import physical_cores
-from scripts.common import headless_fps
-from scripts.common import machine
+from scripts.common import ServerProcess, headless_fps, machine, round_of, summary
 
 NEIGHBOUR = """
 import time, torch
@@ -66,7 +65,6 @@ def serve_rows(args) -> None:
     import os
     import tempfile
 
-    from scripts.bench_serve import ServerProcess, round_of, summary
 
     if not 1 <= args.serve <= 600:
         raise SystemExit(f"error: --serve {args.serve:g}: give 1 to 600 seconds")

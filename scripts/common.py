@@ -1,15 +1,24 @@
-"""What the benchmark, A/B and check scripts share: the machine's name, the KV presets and the
-shipped world's depth. Scripts import this module, never each other."""
+"""What the benchmark, A/B and check scripts share: the machine's name, the KV presets, the
+README's headless command's rate, and a server with websocket players on loopback. Scripts
+import this module, never each other."""
 from __future__ import annotations
 
+import asyncio
 import gc
+import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 from inference.cores import same_numbers_at_any_thread_count
 from inference.heap import keep_freed_memory
@@ -128,3 +137,120 @@ def headless_fps(frames: int, out: str, env: dict) -> float:
     if r.returncode or m is None:
         raise SystemExit(f"error: {' '.join(cmd)} failed (exit {r.returncode}): {(r.stdout + r.stderr)[-800:]}")
     return float(m.group(2))
+
+
+# -- a server and its players on loopback (bench_serve, bench_shared_cores) ------------------------
+SEND_HZ = 20.0  # controls messages a second from each player
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict, log: str, launch: list[str] | None = None):
+        """A server whose output goes to the file ``log`` (and ``lines``); ``launch``: what starts
+        it instead of this python (torchrun)."""
+        self.launched = bool(launch)
+        self.proc = subprocess.Popen([*(launch or [sys.executable]), "-m", "inference.serve", "--port", "0", *args],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=self.launched)
+        self.lines: list[str] = []
+        self.log = log
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.url = None
+
+    def _drain(self):
+        with open(self.log, "w") as f:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                f.write(line)
+                f.flush()
+
+    def wait_ready(self, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            found = [m.group(1) for line in list(self.lines) if (m := re.search(r"serving at (http://\S+?)/ ", line))]
+            if found:
+                self.url = found[0]
+                return self.url
+            time.sleep(0.1)
+        raise SystemExit("error: a server did not start:\n" + "".join(self.lines))
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/healthz", timeout=10) as r:
+            return json.loads(r.read())
+
+    def wait_empty(self, timeout: float = 60) -> None:
+        """Until the last round's players have left (their sessions close as their sockets do)."""
+        deadline = time.monotonic() + timeout
+        while self.health()["sessions"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            if self.launched:  # Ctrl-C to torchrun and its ranks: rank 0 stops rank 1
+                os.killpg(self.proc.pid, signal.SIGINT)
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                if self.launched:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
+
+
+async def player(url: str, seed: int, start: float, warmup: float, end: float) -> dict:
+    import websockets
+
+    from inference.web.protocol import read_frame
+
+    arrivals, latencies, sent = [], [], {}
+    async with websockets.connect(url.replace("http://", "ws://") + "/ws", max_size=2**22) as ws:
+        await ws.send(json.dumps({"type": "hello", "version": 1, "seed": seed}))
+
+        async def send():
+            seq, rng = 0, np.random.default_rng(seed)
+            while time.perf_counter() < end:
+                seq += 1
+                buttons = [int(b) for b in rng.random(11) < 0.2]
+                sent[seq] = time.perf_counter()
+                await ws.send(json.dumps({"type": "controls", "mouse": [float(rng.normal() * 3), 0.0],
+                                          "buttons": buttons, "seq": seq}))
+                await asyncio.sleep(1 / SEND_HZ)
+
+        sender = asyncio.create_task(send())
+        while time.perf_counter() < end:
+            try:
+                message = await asyncio.wait_for(ws.recv(), max(0.01, end - time.perf_counter()))
+            except asyncio.TimeoutError:
+                break
+            except websockets.ConnectionClosed as closed:  # (full, say): the round reports no frames
+                print(f"warning: player {seed}'s socket closed: {closed}", flush=True)
+                break
+            if not isinstance(message, bytes):
+                continue
+            now = time.perf_counter()
+            _, used, _, _ = read_frame(message)
+            if now >= start + warmup:
+                arrivals.append(now)
+            if used is not None:
+                for s in [s for s in sent if s <= used]:
+                    if sent[s] >= start + warmup:
+                        latencies.append(now - sent[s])
+                    del sent[s]
+        sender.cancel()
+    return {"arrivals": arrivals, "latencies": latencies}
+
+
+async def round_of(url: str, n: int, seconds: float, warmup: float) -> list[dict]:
+    start = time.perf_counter()
+    return await asyncio.gather(*[player(url, 100 + i, start, warmup, start + warmup + seconds) for i in range(n)])
+
+
+def summary(results: list[dict], seconds: float) -> dict:
+    intervals = np.concatenate([np.diff(r["arrivals"]) for r in results if len(r["arrivals"]) > 1] or [[np.nan]])
+    latencies = np.concatenate([r["latencies"] for r in results] or [[np.nan]])
+    frames = sum(len(r["arrivals"]) for r in results)
+    return {"aggregate_fps": frames / seconds, "player_fps_min": min(len(r["arrivals"]) / seconds for r in results),
+            "interval_ms_p50": float(np.nanpercentile(intervals, 50) * 1000),
+            "interval_ms_p95": float(np.nanpercentile(intervals, 95) * 1000),
+            "latency_ms_p50": float(np.nanpercentile(latencies, 50) * 1000),
+            "latency_ms_p95": float(np.nanpercentile(latencies, 95) * 1000)}

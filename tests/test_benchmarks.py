@@ -185,6 +185,7 @@ def test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_serve
     ("bench_train", ["--steps", "3"], "--steps 3 leaves no measured step"),
     ("bench_play", ["--frames", "0"], "--frames 0 --scale 4: both must be 1 or more"),
     ("bench_serve", ["--players", "0"], "--players, --seconds and --rounds must be positive"),
+    ("bench_shared_cores", ["--serve", "0"], "--serve 0: give 1 to 600 seconds"),
     ("bench_frame", ["--prod-layers", "17"], "--prod-layers 17: the production model has 16 layers"),
     ("bench_frame", ["--original", "/nowhere"], "--original /nowhere: no owl_wms/models/gamerft.py there"),
 ])
