@@ -322,7 +322,9 @@ def test_recordings_and_screenshots_go_to_a_folder_made_when_first_used(dummy_vi
     from inference.video import OutputPathError
 
     monkeypatch.chdir(tmp_path)
-    opts = PlayOptions.from_args(parse_args(["--max-frames", "4"]))
+    # (frames to spare after the last key: a posted key is read on the window's next turn, which
+    # the last frames could otherwise end before the screenshot is drawn)
+    opts = PlayOptions.from_args(parse_args(["--max-frames", "8"]))
     assert opts.record_dir == Path("recordings") and not (tmp_path / "recordings").exists()
     key = lambda k: E(pygame.KEYDOWN, key=k)  # noqa: E731
     game = ScriptedGame.make(CausvidPipeline.from_checkpoint(verbose=False), opts,
