@@ -111,7 +111,7 @@ def parse_args(argv=None):
                             ("--max-fps", args.max_fps, 0)):
         if value is not None and not (0 < value <= 100_000 and value >= lo):
             p.error(f"{flag} {value}: must be a positive number" + (f" of at least {lo}" if lo else ""))
-    names = [host_name(v.split("://", 1)[-1]) if v.strip() else None for v in args.allow_origin]
+    names = [host_name(v) if v.strip() else None for v in args.allow_origin]
     for value, name in zip(args.allow_origin, names):
         if not name:
             p.error(f"--allow-origin {value!r}: give a host name, e.g. play.example.org")

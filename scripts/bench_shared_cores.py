@@ -11,7 +11,7 @@ the first frame and the ratio to the free machine's.
 
 ``--serve S``: the same three runs of ``python -m inference.serve`` (its frame call compiled in
 the background first, then the neighbour started), one websocket player on loopback for S
-seconds each (scripts/bench_serve.py's player): the frames a second it received.
+seconds each (the benchmarks' player in scripts/common.py): the frames a second it received.
 """
 from __future__ import annotations
 

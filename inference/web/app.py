@@ -245,9 +245,10 @@ def page_socket_protocol():
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
-def host_name(netloc: str) -> str | None:
+def host_name(text: str) -> str | None:
+    """The host name of a URL or an origin (``https://Name:443``) or of a bare ``host[:port]``."""
     try:
-        return urllib.parse.urlsplit("//" + netloc).hostname
+        return urllib.parse.urlsplit(text if "://" in text else "//" + text).hostname
     except ValueError:
         return None
 
@@ -265,7 +266,7 @@ def page_refusal(origin: str | None, host: str, limits: Limits) -> str | None:
                 f"(or start it with --allow-origin {asked})")
     if origin is None:
         return None
-    page = host_name(origin.split("://", 1)[-1]) if "://" in origin else None
+    page = host_name(origin) if "://" in origin else None  # ("null": a page from a file)
     if page is None or (page != asked and page not in limits.allow_origins):
         return f"a page from {origin} may not play here: open the server's own page (or --allow-origin)"
     return None

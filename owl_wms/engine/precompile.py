@@ -291,6 +291,8 @@ class BackgroundCompile:
     def _build(self, items) -> None:
         import torch.multiprocessing as mp
 
+        if _ENDING.is_set():  # the app is exiting
+            return
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=False)
         # the modules' weights move to shared memory as they are sent: the child reads, not copies, them
@@ -298,9 +300,6 @@ class BackgroundCompile:
                                    name=COMPILE_PROCESS)
         # The child starts with Ctrl-C blocked (a signal mask outlives exec): the terminal's Ctrl-C
         # reaches the whole process group, and the app, not the child importing torch, handles it.
-        if _ENDING.is_set():
-            conn.close(), child_conn.close()
-            return
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self.process.start()
