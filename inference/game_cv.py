@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 if __name__ == "__main__":  # first of all, before torch loads (seconds): say so; a Ctrl-C now ends quietly
     from inference.signals import quit_during_startup
@@ -26,7 +27,8 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
 from owl_wms.clips import is_clip_index, load_clip, world_clips  # noqa: E402
 from owl_wms.config import ConfigError, WorldConfig, load_world  # noqa: E402
 from owl_wms.engine import CausvidPipeline, LifecycleError  # noqa: E402
-from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError  # noqa: E402
+from owl_wms.loading import (SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError, check_weights_present,  # noqa: E402
+                              weights_beside)
 from owl_wms.maze.worlds import check_simulator, load_level  # noqa: E402
 from owl_wms.parallel import ParallelContext, TPError, check_heads, is_collective_error  # noqa: E402
 from owl_wms.settings import Settings, SettingsError  # noqa: E402
@@ -179,8 +181,12 @@ def start_clip(args) -> int | None:
 
 
 def check_start(args, world: WorldConfig) -> None:
-    """Before any weights load: the start (--clip) and, headless, the action scripts (one
+    """Before any weights load: the weights are there, the start (--clip) and, headless, the action scripts (one
     script's frame count becomes --frames where none was given)."""
+    if args.ckpt is not None:
+        check_weights_present(Path(args.ckpt))
+    elif world.path is not None:
+        check_weights_present(weights_beside(world.path), world.path)
     clips = len(world_clips(world))
     if args.clip is None:
         args.clip = "0"

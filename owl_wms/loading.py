@@ -60,15 +60,30 @@ class Weights:
         return f"{self.kind} ({where}{len(self.tensors)} tensors)"
 
 
+def weights_beside(config_path) -> Path:
+    """The weights a config file names by default: ``model.safetensors`` in its folder."""
+    return Path(config_path).parent / "model.safetensors"
+
+
+def check_weights_present(path: Path, config_path=None) -> None:
+    """Before anything loads: ``path`` (a file, or a sharded file's index) exists. ``config_path``:
+    the config whose default weights ``path`` is (the error then says to pass a file)."""
+    if path.is_file() or shard_index(path) is not None or path.is_dir():
+        return  # a folder: _read_file names it
+    if config_path is not None:
+        raise CheckpointError(f"config {str(config_path)!r} has no weights beside it ({str(path)!r} does not exist); "
+                              "pass the weights file with --ckpt (Python: ckpt_path=), or a checkpoint folder that "
+                              "holds config.yaml and model.safetensors")
+    raise CheckpointError(f"checkpoint file {str(path)!r} does not exist (nor a sharded {path.name}.index.json "
+                          "beside it); pass the path of a .safetensors, its .safetensors.index.json, or a .pt file")
+
+
 def _read_file(path: Path):
     index = shard_index(path)
     if path.is_dir():
         raise CheckpointError(f"checkpoint file {str(path)!r} is a folder; pass the weights file in it, e.g. "
                               f"{str(path / 'model.safetensors')!r}")
-    if not path.is_file() and index is None:
-        raise CheckpointError(f"checkpoint file {str(path)!r} does not exist (nor a sharded "
-                              f"{path.name}.index.json beside it); pass the path of a .safetensors, its "
-                              ".safetensors.index.json, or a .pt file")
+    check_weights_present(path)
     try:
         if index is not None:
             return _load_shards(index)
@@ -272,7 +287,10 @@ def from_pretrained(cfg_path, ckpt_path=None, return_decoder: bool = False, weig
     ``read_weights`` (EMA where the file has them).
     """
     world: WorldConfig = load_config(cfg_path)
-    ckpt_path = Path(ckpt_path) if ckpt_path is not None else Path(cfg_path).parent / "model.safetensors"
+    if ckpt_path is None:
+        ckpt_path = weights_beside(cfg_path)
+        check_weights_present(ckpt_path, cfg_path)
+    ckpt_path = Path(ckpt_path)
     model = load_weights(build_model(world.model), read_state_dict(ckpt_path, weights), str(ckpt_path)).eval()
     if not return_decoder:
         return model

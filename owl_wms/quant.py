@@ -176,7 +176,9 @@ def _quantize(x, scale, codec: Codec, count: bool, clips: bool = False):
     scales bound |x / scale| by qmax up to the scale's rounding, so the count is skipped."""
     xf = x.float()
     y = xf / scale
-    q = codec.encode(torch.nan_to_num(y))
+    # NaN stored as 0; +-inf saturate in every codec's clamp (as nan_to_num's +-max would). y == y,
+    # not nan_to_num or isnan: Inductor's CPU code vectorises a comparison, isnan it runs scalar.
+    q = codec.encode(torch.where(y == y, y, 0.0))
     if not count:
         return q, None
     nonfinite = (~torch.isfinite(xf)).sum()

@@ -244,7 +244,7 @@ def write_report(out: Path, results: list, failed: list, header: list[str]):
                       "|---|" + "---|" * len(cols)])
         cands = [r for r in ok if r["name"] != "baseline"]
         winner = None
-        if best and cands:
+        if best and len(cands) > 1:  # a lone variant wins nothing
             key, sign = best
             winner = max(cands, key=lambda r: sign * (r["summary"][key] if r["summary"][key] == r["summary"][key]
                                                       else -1e9))["name"]

@@ -50,6 +50,7 @@ def test_report_files_exist_and_parse(ab_run):
                     "machine:", "command: `python -m scripts.ab_kv"):
         assert section in report
     assert {row["variant"] for row in rows(out)} == {"baseline", "again", "int8_kv", "broken"}
+    assert "| again 🏆 |" in report  # identical to the baseline: the best of three on quality
     for png in ("psnr_ssim.png", "latency.png", "memory.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert count_frames(out / "int8_kv.mp4") == 4
@@ -101,3 +102,4 @@ def test_a_run_from_a_clip_explains_itself_and_replaces_the_previous_run(ab_run,
     report = (out / "report.md").read_text()
     assert "## Verdicts" in report and "no simulator for a clip" in report
     assert "cross-layer sharing hands a layer another layer's keys" in report
+    assert "🏆" not in report  # one variant beside the baseline: nothing to win

@@ -2,6 +2,8 @@
 (owl_wms/engine/runner.py, owl_wms/ring.py): the frames of the eager call within float rounding,
 the same frames run to run, and no graph break and no recompile across ring wrap-arounds, hard
 cuts, recomputes and attention-bias changes."""
+import os
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -281,6 +283,69 @@ def test_the_background_compile_never_traces_in_the_players_process_and_gives_th
     again.hard_cut(*history(again.cfg, seed=3, frames=WINDOW))
     compiled.hard_cut(*history(compiled.cfg, seed=3, frames=WINDOW))
     assert torch.equal(play(again, 3), play(compiled, 3))
+
+
+@pytest.mark.parametrize("cut", ["nothing sent", "a message cut short"])
+def test_a_compile_process_whose_app_ends_before_its_job_arrives_ends_quietly(cut, capfd):
+    """An app that exits while it sends the compile process its job (a Ctrl-C just after the first
+    frame) leaves a child that ends with nothing on the terminal."""
+    import struct
+    import torch.multiprocessing as mp
+
+    from owl_wms.engine.precompile import compile_graphs
+
+    ctx = mp.get_context("spawn")
+    child_jobs, jobs = ctx.Pipe(duplex=False)
+    reader, child_conn = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=compile_graphs, args=(child_jobs, child_conn), daemon=True)
+    child.start()
+    child_jobs.close()
+    child_conn.close()
+    if cut == "a message cut short":
+        os.write(jobs.fileno(), struct.pack("!i", 4096) + b"\x80\x05" * 8)  # a 4 KiB message's first bytes
+    jobs.close()
+    child.join(60)
+    assert child.exitcode == 0
+    with pytest.raises(EOFError):
+        reader.recv()  # it built nothing and said nothing
+    assert capfd.readouterr().err == ""
+
+
+def semaphores_of_a_progress_bar(compile_process: bool, results) -> None:
+    """(A spawned process's target.) The named semaphores a tqdm bar registers, in a compile
+    process or in a plain one."""
+    from multiprocessing import resource_tracker
+
+    from tqdm import tqdm
+
+    from owl_wms.engine.precompile import become_compile_process
+
+    made = []
+    register = resource_tracker.register
+    resource_tracker.register = lambda name, kind: (made.append(kind), register(name, kind))
+    if compile_process:
+        become_compile_process()
+    with open(os.devnull, "w") as sink:
+        for _ in tqdm(range(2), disable=False, file=sink):
+            pass
+    results.put(made)
+
+
+def test_a_compile_process_leaves_no_semaphore_behind_when_the_app_ends_it():
+    """torch's FX tracer draws a tqdm bar, whose default lock is a named semaphore: a compile
+    process the app terminates would leave it behind, and Python warns of it when the app exits
+    ("leaked semaphore objects"). The compile process locks its bars with a thread lock."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    made = {}
+    for compile_process in (False, True):
+        results = ctx.Queue()
+        child = ctx.Process(target=semaphores_of_a_progress_bar, args=(compile_process, results), daemon=True)
+        child.start()
+        made[compile_process] = results.get(timeout=120)
+        child.join(30)
+    assert made == {False: ["semaphore"], True: []}  # (the plain process shows what is counted)
 
 
 def test_weights_that_cannot_move_to_shared_memory_leave_frames_eager_with_the_reason(monkeypatch):

@@ -182,6 +182,20 @@ def test_temporal_policies_follow_committed_frames_only():
     assert torch.equal(s_small, s_big) and (s_peek > s_big).all()
 
 
+@pytest.mark.parametrize("codec", [c for c in CODECS if c != "bf16"])
+def test_non_finite_values_are_stored_as_zero_or_saturated(codec):
+    """A NaN is stored as 0 and +-inf as the codec's largest magnitude, eagerly and compiled alike."""
+    from owl_wms.quant import _quantize
+
+    c = make_codec(codec)
+    y = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0]).repeat(16)
+    scale = torch.ones(1)
+    expect = torch.tensor([0.0, c.qmax, -c.qmax, 3.0]).repeat(16)
+    compiled = torch.compile(lambda y, scale: _quantize(y, scale, c, False)[0], fullgraph=True, dynamic=False)
+    for q in (_quantize(y, scale, c, False)[0], compiled(y, scale)):
+        assert torch.equal(c.decode(q, scale, torch.float32), expect)
+
+
 def test_counters_see_non_finite_values():
     q = Quantizer(make_codec("int8"), ScalePolicy("token"))
     x = frames_like(1)

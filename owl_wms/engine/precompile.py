@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 import signal
 import threading
 import time
@@ -186,13 +187,31 @@ def _exit_with_parent() -> None:
             os._exit(0)
 
 
+def become_compile_process() -> None:
+    """The compile process's first steps. Ctrl-C ends the app, which ends it; it ends itself when
+    the app is gone. Progress bars (torch's FX tracer draws one) lock with a thread lock instead
+    of tqdm's default, a named semaphore, which a compile process the app terminates would leave
+    behind (Python's resource tracker then warns of it when the app exits)."""
+    from tqdm import tqdm
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    tqdm.set_lock(threading.RLock())
+
+
 @torch.no_grad()
-def compile_graphs(job: CompileJob, items: list[tuple[str, int, int]], conn) -> None:
-    """The child: compiles and saves each graph of ``items``, telling the parent as each is written."""
+def compile_graphs(jobs, conn) -> None:
+    """The child: receives the job and its ``items`` on ``jobs``, compiles and saves each graph,
+    telling the parent on ``conn`` as each is written."""
     from torch._inductor import config as inductor
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the app, which ends us
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    become_compile_process()
+    try:
+        job, items = jobs.recv()
+    except (EOFError, OSError, pickle.UnpicklingError):  # the app ended while it sent the job: nothing to do
+        return
+    finally:
+        jobs.close()
     inductor.load_config(job.inductor_config)
     cfg = job.cache_cfg
     try:
@@ -295,8 +314,11 @@ class BackgroundCompile:
             return
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=False)
-        # the modules' weights move to shared memory as they are sent: the child reads, not copies, them
-        self.process = ctx.Process(target=compile_graphs, args=(self.job, items, child_conn), daemon=True,
+        child_jobs, jobs = ctx.Pipe(duplex=False)
+        # The job goes through a pipe of its own once the child runs, not with the start: the start
+        # then writes a few bytes, and an app that exits while the job is on its way leaves a child
+        # that ends quietly (a start cut short leaves one that prints spawn's unpickling traceback).
+        self.process = ctx.Process(target=compile_graphs, args=(child_jobs, child_conn), daemon=True,
                                    name=COMPILE_PROCESS)
         # The child starts with Ctrl-C blocked (a signal mask outlives exec): the terminal's Ctrl-C
         # reaches the whole process group, and the app, not the child importing torch, handles it.
@@ -306,17 +328,21 @@ class BackgroundCompile:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_conn.close()
+        child_jobs.close()
         try:
             try:  # the frames being played come first (never below the app's own priority)
                 os.setpriority(os.PRIO_PROCESS, self.process.pid, max(10, os.getpriority(os.PRIO_PROCESS, 0)))
             except (OSError, AttributeError):
                 pass
+            # the modules' weights move to shared memory as they are sent: the child reads, not copies, them
+            tell(jobs, (self.job, items))  # a child that ended before reading it says so below, by EOF
+            jobs.close()
             while True:
                 try:
                     what, kind, n, threads = conn.recv()
                 except EOFError:
                     self.process.join(5)
-                    if self.process.exitcode:
+                    if self.process.exitcode and not _ENDING.is_set():  # (the app ending ends it: no news)
                         self.log(f"[owl] compile: the compile process ended with exit code {self.process.exitcode}; "
                                  f"{self.in_use()}")
                     return
