@@ -175,8 +175,10 @@ def load_actions(spec: str, frames: int | None, seed: int = 0, clips: int | None
     events, cut after ``frames`` frames."""
     name, _, arg = spec.partition(":")
     if name in BUILTIN:
-        if arg and (name != "random" or not arg.isdigit()):
+        if arg and name != "random":
             raise ValueError(f"action script {spec!r}: only 'random' takes a seed ('random:7')")
+        if arg and not (arg.isascii() and arg.isdigit()):
+            raise ValueError(f"action script {spec!r}: the seed after 'random:' is a whole number ('random:7')")
         return _builtin(name, frames or 64, int(arg) if arg else seed)
     path = Path(spec)
     if not path.is_file():

@@ -13,7 +13,8 @@ import sys
 import warnings
 from typing import Mapping
 
-from owl_wms.settings import CODEC_FIELDS, OPTIONS, Settings, SettingsError, known_settings, without_kv
+from owl_wms.settings import (CODEC_FIELDS, OPTIONS, MalformedSetting, Settings, SettingsError, known_settings,
+                              without_kv)
 
 FLAGS = {o.field: "OWL_TP_TIMEOUT" if o.field == "tp_timeout_s" else f"OWL_{o.field.upper()}" for o in OPTIONS}
 KNOWN = {flag: field for field, flag in FLAGS.items()}
@@ -50,8 +51,8 @@ def resolve_settings(inference: Mapping | None = None, environ: Mapping[str, str
     try:
         return Settings.parse(raw, lambda f: f"config inference.{f}" if f in from_config else FLAGS[f])
     except SettingsError as exc:
-        if not set_aside or not set(exc.params) & set(CODEC_FIELDS):
-            raise
+        if not set_aside or not set(exc.params) & set(CODEC_FIELDS) or isinstance(exc, MalformedSetting):
+            raise  # (a malformed value is the flag's own fault, whatever the config said)
         given = ", ".join(f"inference.{k}={v}" for k, v in set_aside.items())
         flags = " ".join(f"{FLAGS[k]}={v}" for k, v in set_aside.items())
         raise SettingsError(f"{exc} (the config's {given} steps aside once any KV codec flag is set: add {flags} "

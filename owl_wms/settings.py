@@ -22,6 +22,10 @@ class SettingsError(ValueError):
         self.params = params
 
 
+class MalformedSetting(SettingsError):
+    """A value that is not one of its setting's accepted values (no contradiction with another)."""
+
+
 def _bool(text: str) -> bool:
     t = str(text).strip().lower()
     if t in ("1", "true", "yes", "on"):
@@ -374,8 +378,8 @@ class Settings:
             try:
                 values[option.field] = option.parse(value)
             except (ValueError, TypeError):
-                raise SettingsError(f"{said[option.field]} is malformed; accepted values: {option.parse.accepted}",
-                                    (option.field,)) from None
+                raise MalformedSetting(f"{said[option.field]} is malformed; accepted values: {option.parse.accepted}",
+                                       (option.field,)) from None
         return cls._finish(values, lambda f: said.get(f, f"{name(f)} (unset)"), name)
 
     @classmethod

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import difflib
 import json
 import os
 import statistics
@@ -30,11 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inference.flags import flag_message, resolve_settings, with_threads
+from inference.cores import TICKS, own_ticks, system_busy_ticks
+from inference.flags import KNOWN, flag_message, resolve_settings, with_threads
 from scripts.common import PRESETS, REPO, load_presets, machine
 
 DEFAULT_VARIANTS = ["fp8_kv", "fp8_v_only", "int8_kv", "int4_v_only", "sharing", "ring_inplace"]
 WARMUP = 2  # frames before timing and recompile counting
+BUSY_CORES = 0.3  # other processes' CPU, in cores, past which a variant's speed is not comparable
 
 
 # -- variants ----------------------------------------------------------------------------------
@@ -47,7 +50,12 @@ def parse_variant(spec: str, presets: dict) -> tuple[str, dict]:
             if not eq or not key.strip().startswith("OWL_"):
                 raise SystemExit(f"error: --variant {spec!r}: {item!r} is not FLAG=VALUE with an OWL_* flag; "
                                  "write name:OWL_FP8_KV=1,OWL_K_FP8=0")
-            env[key.strip()] = value.strip()
+            key = key.strip()
+            if key not in KNOWN:  # a variant that silently ran the baseline would win every quality table
+                near = difflib.get_close_matches(key, list(KNOWN), n=1)
+                raise SystemExit(f"error: --variant {spec!r}: {key} is not a known OWL_* flag"
+                                 + (f" (did you mean {near[0]}?)" if near else "") + f"; known flags: {', '.join(KNOWN)}")
+            env[key] = value.strip()
         return name.strip() or "variant", env
     if spec not in presets:
         raise SystemExit(f"error: --variant {spec!r} is neither a preset ({', '.join(presets)}) nor name:FLAG=V,...")
@@ -135,9 +143,13 @@ def run_variant(name, env, spec, folder: Path) -> dict:
     # this repo's modules from anywhere.
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     child_env = {**clean, **env, "OWL_SEED": str(spec["seed"]), "PYTHONPATH": path}
+    start, busy, own = time.monotonic(), system_busy_ticks(), own_ticks()
     with open(folder / "log.txt", "w") as log:
         rc = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--worker", str(folder / "spec.json")],
                             env=child_env, stdout=log, stderr=None).returncode
+    # cores' worth of CPU other processes took while the variant ran (its worker is reaped: own_ticks counts it)
+    others = (None if busy is None or own is None else
+              max(0.0, (system_busy_ticks() - busy - (own_ticks() - own)) / TICKS / (time.monotonic() - start)))
     if rc != 0 or not (folder / "result.json").is_file():
         err = (folder / "error.txt").read_text() if (folder / "error.txt").is_file() else (folder / "log.txt").read_text()
         return {"name": name, "env": env, "error": err.strip().splitlines()[0] if err.strip() else f"exit code {rc}",
@@ -145,7 +157,8 @@ def run_variant(name, env, spec, folder: Path) -> dict:
     res = json.loads((folder / "result.json").read_text())
     from safetensors.torch import load_file
 
-    res.update(name=name, env=env, frames=np.load(folder / "frames.npy"), history=np.load(folder / "history.npy"),
+    res.update(name=name, env=env, others_cores=others, frames=np.load(folder / "frames.npy"),
+               history=np.load(folder / "history.npy"),
                velocity=load_file(str(folder / "velocity.safetensors"))["velocity"])
     return res
 
@@ -185,7 +198,8 @@ def analyse(res: dict, base: dict, real: np.ndarray | None):
         "step1_ms": statistics.median(t.get("step1", np.nan) for t in steady),
         "step2_ms": statistics.median(t.get("step2", np.nan) for t in steady),
         "decoder_ms": statistics.median(t.get("decoder", np.nan) for t in steady),
-        "kv_mib": res["kv_bytes"] / 2**20, "peak_mem_mb": res["peak_mem_mb"], "recompiles": res["recompiles"]}
+        "kv_mib": res["kv_bytes"] / 2**20, "peak_mem_mb": res["peak_mem_mb"], "recompiles": res["recompiles"],
+        "others_cores": res["others_cores"]}
 
 
 MANIFEST = "ab_kv_outputs.txt"  # what a run wrote into --out, removed by the next run into the same folder
@@ -267,7 +281,8 @@ def write_report(out: Path, results: list, failed: list, header: list[str]):
            ("sharpness", "sharpness", ".5f"), ("colour histogram distance", "hist_dist", ".3f")])
     table("Speed (ms per frame after warm-up)",
           [("median", "median_ms", ".1f"), ("p95", "p95_ms", ".1f"), ("step 1", "step1_ms", ".1f"),
-           ("step 2", "step2_ms", ".1f"), ("decoder", "decoder_ms", ".1f"), ("recompiles", "recompiles", "d")],
+           ("step 2", "step2_ms", ".1f"), ("decoder", "decoder_ms", ".1f"), ("recompiles", "recompiles", "d"),
+           ("other processes' cores", "others_cores", ".2f")],
           best=("median_ms", -1))
     table("Memory", [("KV MiB (data + scales)", "kv_mib", ".2f"), ("peak memory MiB", "peak_mem_mb", ".0f")],
           best=("kv_mib", -1))
@@ -428,6 +443,10 @@ def main(argv=None):
               f"noise seed {args.seed}; each variant in its own process",
               "- quality is against the baseline's frames" + (" and the simulator's" if real is not None else
                                                               " (no simulator for a clip: its columns show -)")]
+    busy = [r["name"] for r in results if (r["others_cores"] or 0) > BUSY_CORES]
+    if busy:
+        header.append(f"- **the machine was busy**: other processes used more than {BUSY_CORES} of a core while "
+                      f"{', '.join(busy)} ran, so the speed figures are not comparable; rerun on an idle machine")
     write_report(out, results, failed, header)
     write_csv(out, results)
     write_plots(out, results)
@@ -446,6 +465,9 @@ def main(argv=None):
         print(f"  {verdict(r)}")
     for r in failed:
         print(f"{r['name']:<22} CRASHED: {r['error']}")
+    if busy:
+        print(f"note: the machine was busy while {', '.join(busy)} ran (other processes' cores in the report): "
+              "the speed figures are not comparable; rerun on an idle machine")
     print(f"report: {out / 'report.md'}")
     return 1 if failed else 0
 

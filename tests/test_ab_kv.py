@@ -46,7 +46,8 @@ def test_a_broken_cache_is_flagged_by_the_health_metrics(ab_run):
 def test_report_files_exist_and_parse(ab_run):
     r, out = ab_run
     report = (out / "report.md").read_text()
-    for section in ("## Quality", "## Health", "## Speed", "## Memory", "## Variants", "OWL_KV_STORAGE=int8",
+    for section in ("## Quality", "## Health", "## Speed", "other processes' cores |", "## Memory", "## Variants",
+                    "OWL_KV_STORAGE=int8",
                     "machine:", "command: `python -m scripts.ab_kv"):
         assert section in report
     assert {row["variant"] for row in rows(out)} == {"baseline", "again", "int8_kv", "broken"}
@@ -70,6 +71,9 @@ def test_bad_variant_specs_are_clear_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--variant", "x:FP8=1", "--out", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=time_limit(120))
     assert r.returncode != 0 and "not FLAG=VALUE with an OWL_* flag" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--variant", "typo:OWL_KV_BIT=4", "--out", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=time_limit(120))
+    assert r.returncode != 0 and "OWL_KV_BIT is not a known OWL_* flag (did you mean OWL_KV_BITS?)" in r.stderr
 
 
 def test_a_bad_action_file_is_one_line_not_a_traceback(tmp_path):

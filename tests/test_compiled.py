@@ -315,6 +315,37 @@ def test_a_compile_process_whose_app_ends_before_its_job_arrives_ends_quietly(ca
     assert capfd.readouterr().err == ""
 
 
+def blocked_signals(conn) -> None:
+    """(A spawned process's target.) Sends the signals blocked in it."""
+    import signal
+
+    conn.send(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+
+
+def test_the_compile_process_starts_with_ctrl_c_blocked_even_as_the_first_child():
+    """The terminal's Ctrl-C reaches the compile process too, while it imports torch; it starts with
+    SIGINT blocked, also when it is the app's first child (starting Python's resource tracker then
+    unblocks SIGINT in the starting thread, before the child is made)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import threading, torch.multiprocessing as mp\n"
+            "from owl_wms.engine.precompile import start_without_ctrl_c\n"
+            "from tests.test_compiled import blocked_signals\n"
+            "ctx = mp.get_context('spawn')\n"
+            "reader, writer = ctx.Pipe(duplex=False)\n"
+            "child = ctx.Process(target=blocked_signals, args=(writer,))\n"
+            "starter = threading.Thread(target=start_without_ctrl_c, args=(child,))  # as the app's loader\n"
+            "starter.start(); starter.join()\n"
+            "print(reader.recv()); child.join()\n")
+    from .conftest import REPO
+
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert int(signal.SIGINT) in eval(run.stdout.strip().splitlines()[-1])
+
+
 def semaphores_of_a_progress_bar(compile_process: bool, results) -> None:
     """(A spawned process's target.) The named semaphores a tqdm bar registers, in a compile
     process or in a plain one."""

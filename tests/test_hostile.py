@@ -128,6 +128,8 @@ CASES = {
     # action scripts and files
     "actions-missing": (["--actions", "nowhere.jsonl"], {}, r"--actions 'nowhere\.jsonl' is neither a built-in script"),
     "actions-builtin-arg": (["--actions", "forward:3"], {}, r"action script 'forward:3': only 'random' takes a seed"),
+    "actions-random-seed-text": (["--actions", "random:abc"], {},
+                                 r"action script 'random:abc': the seed after 'random:' is a whole number"),
     "actions-bad-json": (action_file("{mouse: 1}"), {}, r"a\.jsonl:1: not valid JSON"),
     "actions-empty": (action_file(""), {}, r"action file '.*a\.jsonl' holds no frames"),
     "actions-only-events": (action_file('{"event": "restart"}'), {}, r"holds no frames"),

@@ -255,3 +255,5 @@ def test_a_flag_in_lower_case_is_named_and_a_set_aside_config_codec_is_explained
                                             r"inference\.kv_storage=int8 steps aside once any KV codec flag is set: add "
                                             r"OWL_KV_STORAGE=int8 to keep it\)"):
         resolve_settings({"kv_storage": "int8"}, environ={"OWL_K_FP8": "0"})
+    with pytest.raises(SettingsError, match=r"^OWL_KV_BITS='3' is malformed; accepted values: 8\|4$"):  # its own fault
+        resolve_settings({"kv_storage": "int8"}, environ={"OWL_KV_BITS": "3"})

@@ -171,6 +171,17 @@ def encode_image(frame: np.ndarray, fmt: str, quality: int) -> bytes:
     return buf.getvalue()
 
 
+def capacity_text(capacity: int, step_s: dict[int, float], opt: ServeOptions) -> str:
+    """The capacity and what it keeps, from the measured ``step_s`` by batch size."""
+    if opt.max_sessions:
+        return f"capacity {capacity} players"
+    one = step_s[min(step_s)]
+    if one * opt.target_fps <= 1:
+        return f"capacity {capacity} players at {opt.target_fps:g} FPS each (--target-fps)"
+    return (f"capacity {capacity} player: even one gets {1 / one:.1f} FPS, under the {opt.target_fps:g} FPS of "
+            "--target-fps (a busy machine, or frames still eager)")
+
+
 class Scheduler(threading.Thread):
     def __init__(self, build, options: ServeOptions, on_ready=None, log=print, on_fail=None, budget=None):
         """``build()`` -> ``Sessions`` (run on this thread: on the CPU torch's thread pool belongs
@@ -372,8 +383,8 @@ class Scheduler(threading.Thread):
                 self._close_pipe(pipe)
         self._update_capacity()
         ms = ", ".join(f"{n}: {s * 1000:.1f} ms" for n, s in self.step_s.items())
-        self.log(f"[owl] serve: a step by players {ms} ({self.sessions.runner.compile_state()}); capacity {self.capacity} players"
-                 + ("" if self.opt.max_sessions else f" at {self.opt.target_fps:g} FPS each (--target-fps)"))
+        self.log(f"[owl] serve: a step by players {ms} ({self.sessions.runner.compile_state()}); "
+                 + capacity_text(self.capacity, self.step_s, self.opt))
 
     def _update_capacity(self) -> None:
         if self.opt.max_sessions:

@@ -239,6 +239,21 @@ def compile_graphs(jobs, conn) -> None:
     conn.close()
 
 
+def start_without_ctrl_c(process) -> None:
+    """Starts ``process`` with Ctrl-C blocked (a signal mask outlives exec): the terminal's Ctrl-C
+    reaches the whole process group, and the app, not a child importing torch, handles it. Python's
+    resource tracker starts first: starting it unblocks Ctrl-C in the calling thread, which would
+    undo the block (multiprocessing.resource_tracker.ensure_running)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def tell(conn, message) -> bool:
     """Sends the app a message; False when the app has ended (nobody is left to tell)."""
     try:
@@ -320,13 +335,7 @@ class BackgroundCompile:
         # that ends quietly (a start cut short leaves one that prints spawn's unpickling traceback).
         self.process = ctx.Process(target=compile_graphs, args=(child_jobs, child_conn), daemon=True,
                                    name=COMPILE_PROCESS)
-        # The child starts with Ctrl-C blocked (a signal mask outlives exec): the terminal's Ctrl-C
-        # reaches the whole process group, and the app, not the child importing torch, handles it.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            self.process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        start_without_ctrl_c(self.process)
         child_conn.close()
         child_jobs.close()
         try:
