@@ -60,8 +60,8 @@ def test_report_files_exist_and_parse(ab_run):
 def test_a_crashing_variant_gives_a_non_zero_exit_and_is_named(ab_run):
     r, out = ab_run
     assert r.returncode == 1
-    assert "crash" in r.stdout and "CRASHED: SettingsError: OWL_KV_BITS='5' is malformed" in r.stdout
-    assert "**crash** crashed: `SettingsError" in (out / "report.md").read_text()
+    assert "crash" in r.stdout and "CRASHED: MalformedSetting: OWL_KV_BITS='5' is malformed" in r.stdout
+    assert "**crash** crashed: `MalformedSetting" in (out / "report.md").read_text()
 
 
 def test_bad_variant_specs_are_clear_errors(tmp_path):
