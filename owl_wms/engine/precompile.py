@@ -175,8 +175,17 @@ def end_compile_processes() -> None:
     _ENDING.set()
     for child in multiprocessing.active_children():
         if child.name == COMPILE_PROCESS:
-            child.terminate()
+            end_with_its_compilers(child)
             child.join(2)
+
+
+def end_with_its_compilers(process) -> None:
+    """SIGTERM to the compile process and the C++ compilers it runs: it leads its own process
+    group (become_compile_process), which they are in; before it does, to itself alone."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        process.terminate()
 
 
 def _exit_with_parent() -> None:
@@ -188,8 +197,8 @@ def _exit_with_parent() -> None:
 
 
 def become_compile_process() -> None:
-    """The compile process's first steps. Ctrl-C ends the app, which ends it; it ends itself when
-    the app is gone. Progress bars (torch's FX tracer draws one) lock with a thread lock instead
+    """The compile process's first steps. Ctrl-C ends the app, which ends it (and the C++
+    compilers it started: they are in its process group); it ends itself when the app is gone. Progress bars (torch's FX tracer draws one) lock with a thread lock instead
     of tqdm's default, a named semaphore, which a compile process the app terminates would leave
     behind (Python's resource tracker then warns of it when the app exits)."""
     from tqdm import tqdm
@@ -197,6 +206,7 @@ def become_compile_process() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     tqdm.set_lock(threading.RLock())
+    os.setpgrp()  # a group of its own, its compilers' too: the app ends them all at once
 
 
 @torch.no_grad()
@@ -361,7 +371,7 @@ class BackgroundCompile:
                     self.log(f"[owl] compile: the {kind} graph built for batch size {n} did not load; {self.in_use()}")
         finally:
             if self.process.is_alive():  # left early: nobody would read what it builds
-                self.process.terminate()
+                end_with_its_compilers(self.process)
             conn.close()
 
     def in_use(self) -> str:
