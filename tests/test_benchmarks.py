@@ -87,8 +87,10 @@ def tiny2(tmp_path_factory):
 
 
 def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path, tiny2):
+    # five compiled paths' graphs, each compiled cold: about 230 s on a quiet 2-core CPU
     out = bench("bench_frame", "--checkpoint", tiny2, "--frames", 1, "--warmup", 1, "--profile-frames", 1,
-                "--prod-layers", 0, "--dtype", "fp32", "--sessions", 1, "--json", tmp_path / "frame.json")
+                "--prod-layers", 0, "--dtype", "fp32", "--sessions", 1, "--json", tmp_path / "frame.json",
+                quiet_seconds=900)
     assert f"world untrained-tiny ({tiny2}): " in out, out
     report = json.loads((tmp_path / "frame.json").read_text())
     rows = report["rows"]
