@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 if __name__ == "__main__":  # first of all, before torch loads (seconds): say so; a Ctrl-C now ends quietly
     from inference.signals import quit_during_startup
@@ -27,8 +26,7 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
 from owl_wms.clips import is_clip_index, load_clip, world_clips  # noqa: E402
 from owl_wms.config import ConfigError, WorldConfig, load_world  # noqa: E402
 from owl_wms.engine import CausvidPipeline, LifecycleError  # noqa: E402
-from owl_wms.loading import (SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError, check_weights_present,  # noqa: E402
-                              weights_beside)
+from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError, weights_path  # noqa: E402
 from owl_wms.maze.worlds import check_simulator, load_level  # noqa: E402
 from owl_wms.parallel import ParallelContext, TPError, check_heads, is_collective_error  # noqa: E402
 from owl_wms.settings import Settings, SettingsError  # noqa: E402
@@ -59,7 +57,7 @@ def add_world_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m inference.game_cv", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_world_arguments(p)
     p.add_argument("--clip", default=None,
                    help="index of a shipped clip, or a clip .safetensors path (default: 0; not with --world-seed)")
@@ -181,12 +179,10 @@ def start_clip(args) -> int | None:
 
 
 def check_start(args, world: WorldConfig) -> None:
-    """Before any weights load: the weights are there, the start (--clip) and, headless, the action scripts (one
-    script's frame count becomes --frames where none was given)."""
-    if args.ckpt is not None:
-        check_weights_present(Path(args.ckpt))
-    elif world.path is not None:
-        check_weights_present(weights_beside(world.path), world.path)
+    """Before any weights load: the weights are there, the start (--clip) and, headless, the
+    action scripts (one script's frame count becomes --frames where none was given)."""
+    if args.ckpt is not None or world.path is not None:
+        weights_path(args.ckpt, world.path)
     clips = len(world_clips(world))
     if args.clip is None:
         args.clip = "0"

@@ -64,7 +64,7 @@ USER_ERRORS = (ConfigError, CheckpointError, SettingsError, OutputPathError, Fil
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m inference.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_world_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="NAME",

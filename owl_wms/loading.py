@@ -78,6 +78,18 @@ def check_weights_present(path: Path, config_path=None) -> None:
                           "beside it); pass the path of a .safetensors, its .safetensors.index.json, or a .pt file")
 
 
+def weights_path(ckpt_path, config_path) -> Path:
+    """The weights file to read, checked to be there: ``ckpt_path``, or (None) the weights beside
+    the config file ``config_path``."""
+    if ckpt_path is None:
+        path = weights_beside(config_path)
+        check_weights_present(path, config_path)
+        return path
+    path = Path(ckpt_path)
+    check_weights_present(path)
+    return path
+
+
 def _read_file(path: Path):
     index = shard_index(path)
     if path.is_dir():
@@ -287,10 +299,7 @@ def from_pretrained(cfg_path, ckpt_path=None, return_decoder: bool = False, weig
     ``read_weights`` (EMA where the file has them).
     """
     world: WorldConfig = load_config(cfg_path)
-    if ckpt_path is None:
-        ckpt_path = weights_beside(cfg_path)
-        check_weights_present(ckpt_path, cfg_path)
-    ckpt_path = Path(ckpt_path)
+    ckpt_path = weights_path(ckpt_path, cfg_path)
     model = load_weights(build_model(world.model), read_state_dict(ckpt_path, weights), str(ckpt_path)).eval()
     if not return_decoder:
         return model

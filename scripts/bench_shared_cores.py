@@ -65,7 +65,6 @@ def serve_rows(args) -> None:
     import os
     import tempfile
 
-
     if not 1 <= args.serve <= 600:
         raise SystemExit(f"error: --serve {args.serve:g}: give 1 to 600 seconds")
     cores = physical_cores()

@@ -2,11 +2,9 @@
 checkpoint, and the start-up line that says what runs."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..cache import describe_plan
 from ..config import WorldConfig, load_world
-from ..loading import SHIPPED_WORLD, build_model, check_weights_present, load_weights, read_weights, weights_beside
+from ..loading import SHIPPED_WORLD, build_model, load_weights, read_weights, weights_path
 from ..settings import KVSettings, Settings
 from ..vae import load_decoder
 
@@ -19,10 +17,7 @@ def load_parts(checkpoint=None, ckpt_path=None, weights: str | None = None, deco
         SHIPPED_WORLD if checkpoint is None else checkpoint)
     if ckpt_path is None and world.path is None:
         raise ValueError("this config was not read from a file, so no weights lie beside it; pass ckpt_path")
-    if ckpt_path is None:
-        ckpt_path = weights_beside(world.path)
-        check_weights_present(ckpt_path, world.path)
-    ckpt_path = Path(ckpt_path)
+    ckpt_path = weights_path(ckpt_path, world.path)
     loaded = read_weights(ckpt_path, weights)
     model = load_weights(build_model(world.model), loaded.tensors, str(ckpt_path))
     return world, model, load_decoder(world) if decoder else None, loaded.describe()

@@ -198,9 +198,10 @@ def _exit_with_parent() -> None:
 
 def become_compile_process() -> None:
     """The compile process's first steps. Ctrl-C ends the app, which ends it (and the C++
-    compilers it started: they are in its process group); it ends itself when the app is gone. Progress bars (torch's FX tracer draws one) lock with a thread lock instead
-    of tqdm's default, a named semaphore, which a compile process the app terminates would leave
-    behind (Python's resource tracker then warns of it when the app exits)."""
+    compilers it started: they are in its process group); it ends itself when the app is gone.
+    Progress bars (torch's FX tracer draws one) lock with a thread lock instead of tqdm's default,
+    a named semaphore, which a compile process the app terminates would leave behind (Python's
+    resource tracker then warns of it when the app exits)."""
     from tqdm import tqdm
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
