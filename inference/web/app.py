@@ -235,9 +235,21 @@ def page_socket_protocol():
             self.ping_at, self.ping_tokens = now, self.ping_tokens - 1
             if self.ping_tokens >= 0:
                 return super().handle_ping()
-            if self.conn.close_sent is None:  # closed as the protocol closes a malformed frame
-                self.conn.send_close(protocol.CLOSE_PROTOCOL, f"too many pings: at most {PING_RATE:g} a second")
-                self.handle_parser_exception()
+            if self.conn.close_sent is None:
+                self.close_for_pings(f"too many pings: at most {PING_RATE:g} a second")
+
+        def close_for_pings(self, reason: str) -> None:
+            """Close as the app's own close does: the close frame, then the socket once the page
+            answers it (or after ``close_timeout``). Closing the socket at once, with the flood's
+            pings still arriving, resets the connection, and the page may never read why."""
+            self.conn.send_close(protocol.CLOSE_PROTOCOL, reason)
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": protocol.CLOSE_PROTOCOL, "reason": reason})
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.close_sent = True
+            if self.read_paused:  # the page's answer must be read
+                self.read_paused = False
+                self.transport.resume_reading()
+            self.close_timer = self.loop.call_later(self.close_timeout, self.transport.close)
 
     return PageSocket
 
