@@ -7,7 +7,8 @@ beside the same compiled in this process before the first frame (``OWL_COMPILE=1
 here carries Inductor's kernel-profiling hooks, so torch.profiler sees its kernels; the apps'
 graphs do not (a graph is kept per Inductor setting, so these are compiled apart from theirs).
 
-    python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--sessions 1 2 4 8] [--original PATH] [--json out.json]
+    python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--sessions 1 2 4 8] [--paths ...]
+                                  [--original PATH] [--json out.json]
 
 Per model (the shipped world or ``--checkpoint``'s; a production-shaped GameRFT, d_model 1536,
 24 heads, 64 tokens a frame, a 60-frame window, random weights, ``--prod-layers`` of its 16
@@ -54,16 +55,22 @@ import torch
 
 from .common import HEAP_KEPT, machine, minor_faults, path_settings, require_at_least, synchronizer
 
-# (path, OWL_* flags); the first is the eager path, the third the default (the model compiled whole)
+# (--paths key, path, OWL_* flags); the first is the eager path, the third the default (the model compiled whole)
 INT8 = {"OWL_KV_STORAGE": "int8", "OWL_RING_MODE": "inplace"}
 # "compiled whole" paths run as the apps run them (OWL_COMPILE=auto): graphs compiled in a
 # background process and kept (engine/precompile.py), waited for before the paths are timed
-OURS = [("eager, int8 in-place", {**INT8, "OWL_COMPILE": "0"}),
-        ("compiled per block, int8 in-place", {**INT8, "OWL_COMPILE": "1", "OWL_FRAME_GRAPH": "0"}),
-        ("compiled whole, int8 in-place", {**INT8, "OWL_COMPILE": "auto"}),
-        ("compiled whole, bf16 in-place", {"OWL_RING_MODE": "inplace", "OWL_COMPILE": "auto"}),
-        ("eager, bf16 roll (the original's layout)", {"OWL_RING_MODE": "roll", "OWL_COMPILE": "0"}),
-        ("compiled whole in this process (OWL_COMPILE=1), int8 in-place", {**INT8, "OWL_COMPILE": "1"})]
+OURS = [("eager", "eager, int8 in-place", {**INT8, "OWL_COMPILE": "0"}),
+        ("blocks", "compiled per block, int8 in-place", {**INT8, "OWL_COMPILE": "1", "OWL_FRAME_GRAPH": "0"}),
+        ("whole", "compiled whole, int8 in-place", {**INT8, "OWL_COMPILE": "auto"}),
+        ("whole-bf16", "compiled whole, bf16 in-place", {"OWL_RING_MODE": "inplace", "OWL_COMPILE": "auto"}),
+        ("roll", "eager, bf16 roll (the original's layout)", {"OWL_RING_MODE": "roll", "OWL_COMPILE": "0"}),
+        ("whole-here", "compiled whole in this process (OWL_COMPILE=1), int8 in-place", {**INT8, "OWL_COMPILE": "1"})]
+EAGER = OURS[0][1]
+DEFAULT_FLAGS = OURS[2][2]
+# --paths key of the default and the eager path each again with the other kernel of a frame's
+# attention over the ring (Settings.ring_attention)
+OTHER_RING = "other-ring"
+PATHS = [key for key, _, _ in OURS] + [OTHER_RING]
 ORIGINAL = "original eager loop, roll cache"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -290,12 +297,13 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     paths = []
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
-        ours = [Ours(name, flags, model, decoder, world, history, dtype, args.device) for name, flags in OURS]
-        # the default, compiled and eager, beside the other kernel of a frame's attention over the
-        # ring (Settings.ring_attention)
-        other = "sdpa" if ours[2].ring == "matmul" else "matmul"
-        ours += [Ours(f"{OURS[i][0]}, {other} ring", {**OURS[i][1], "OWL_RING_ATTENTION": other}, model, decoder,
-                      world, history, dtype, args.device) for i in (2, 0)]
+        ours = [Ours(name, flags, model, decoder, world, history, dtype, args.device)
+                for key, name, flags in OURS if key in args.paths]
+        if OTHER_RING in args.paths:  # the default, compiled and eager, beside the other kernel
+            other = "sdpa" if ours[0].ring == "matmul" else "matmul"
+            ours += [Ours(f"{name}, {other} ring", {**flags, "OWL_RING_ATTENTION": other}, model, decoder,
+                          world, history, dtype, args.device)
+                     for key in ("whole", "eager") if key in args.paths for k, name, flags in OURS if k == key]
         if classes is not None:  # the original's frames are decoded by this repo's eager path (uncompiled decoder)
             paths.append(Original(classes, model, ours[0] if decoder is not None else None, world, history, dtype,
                                   args.device))
@@ -319,13 +327,13 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
                 sync()
                 decodes[i].append(time.perf_counter() - t1)
             calls[i].append(t1 - t0)
-    reference = 1000 * statistics.median(calls[paths.index(next(p for p in paths if p.name == OURS[0][0]))])
+    reference = 1000 * statistics.median(calls[paths.index(next(p for p in paths if p.name == EAGER))])
     rows, floors = [], {}
     for i, p in enumerate(paths):
         dtype_name = str(p.dtype).removeprefix("torch.")
         if dtype_name not in floors:
             rate = matmul_rate(p.dtype, args.device)
-            flops = frame_flops(next(q for q in paths if q.name == OURS[0][0] and q.dtype == p.dtype))
+            flops = frame_flops(next(q for q in paths if q.name == EAGER and q.dtype == p.dtype))
             floors[dtype_name] = (flops, rate, 1000 * flops / rate)
         flops, rate, floor_ms = floors[dtype_name]
         ms = 1000 * statistics.median(calls[i])
@@ -340,7 +348,7 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     for dtype_name, (flops, rate, floor_ms) in floors.items():
         print(f"{dtype_name}: frame FLOPs (two calls) {flops / 1e6:.0f} M; matmul rate {rate / 1e9:.1f} GFLOP/s: "
               f"floor {floor_ms:.2f} ms")
-    print(f"x eager: against {OURS[0][0]} in {args.dtype[0]}; x original: against the original in the same dtype")
+    print(f"x eager: against {EAGER} in {args.dtype[0]}; x original: against the original in the same dtype")
     print(f"{'path':<48} {'dtype':>8} {'ring':>6} {'calls ms':>9} {'decode ms':>10} {'FPS':>6} {'x eager':>10} "
           f"{'x original':>11} {'x floor':>8} {'overhead':>9}")
     for r in rows:
@@ -378,7 +386,7 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
 
     if not args.sessions:
         return []
-    settings = path_settings(without_kv(world.inference), {**OURS[2][1], "OWL_DEVICE": args.device,
+    settings = path_settings(without_kv(world.inference), {**DEFAULT_FLAGS, "OWL_DEVICE": args.device,
                                                            "OWL_DTYPE": args.dtype[0]})
     sync, batches = synchronizer(args.device), {}
     for n in args.sessions:
@@ -442,10 +450,14 @@ def main(argv=None):
                    help="batch sizes of the batched-sessions table (none: skip it)")
     p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES),
                    help="dtypes to run every path in (the first is the reference's)")
+    p.add_argument("--paths", nargs="+", default=PATHS, choices=PATHS, metavar="PATH",
+                   help=f"paths to time (default: all of {' '.join(PATHS)}); the eager path always runs, as the "
+                        f"reference, and {OTHER_RING} times the whole and eager paths chosen with the other ring kernel")
     p.add_argument("--device", default="cpu")
     p.add_argument("--checkpoint", type=Path, default=None, help="a world's checkpoint folder (default: the shipped world)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    args.paths = ["eager", *args.paths]
     require_at_least(("--frames", args.frames, 1), ("--warmup", args.warmup, 1),
                      ("--profile-frames", args.profile_frames, 1), ("--prod-layers", args.prod_layers, 0))
     if args.prod_layers > 16:

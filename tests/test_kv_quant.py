@@ -518,7 +518,7 @@ def test_sharing_runs_and_costs_quality_like_any_mode():
 
 @pytest.mark.parametrize("layout,storage", [("roll", "int8"), ("inplace", "int8"), ("inplace", "fp8_e5m2")])
 def test_compiled_decoding_does_not_recompile_in_steady_state(layout, storage):
-    cfg = tiny_config()
+    cfg = tiny_config(n_layers=2)  # a global and a local layer, compiled cold
     settings = kv(OWL_RING_MODE=layout, OWL_KV_STORAGE=storage)
     eager, _ = rollout(cfg, settings, 8)
     compiled, _, new_graphs = shared_rollout(cfg, 8, kv=settings, compile=True)

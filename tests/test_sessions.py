@@ -151,7 +151,7 @@ def test_compiled_sessions_build_one_graph_per_padded_size_as_they_join_and_leav
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    cfg = tiny_config()
+    cfg = tiny_config(n_layers=2)  # a global and a local layer: three graphs compiled cold
     batch = Sessions(random_model(cfg), None, tiny_world(cfg, WINDOW), fp32_settings(kv=RING["int8"], compile=True),
                      capacity=4, verbose=False)
     open_ = []
