@@ -274,11 +274,12 @@ def test_the_capacity_line_says_when_even_one_player_is_under_the_target_frame_r
     from inference.web.scheduler import ServeOptions, capacity_text
 
     opt = ServeOptions(target_fps=10.0)
-    assert capacity_text(4, {1: 0.04, 2: 0.05, 4: 0.09, 8: 0.2}, opt) == \
-        "capacity 4 players at 10 FPS each (--target-fps)"
-    assert capacity_text(1, {1: 0.18, 2: 0.4}, opt).startswith(
+    assert capacity_text({1: 0.04, 2: 0.05, 4: 0.09, 8: 0.2}, opt) == "capacity 4 players at 10 FPS each (--target-fps)"
+    assert capacity_text({1: 0.04}, ServeOptions(target_fps=10.0, batched=False)) == \
+        "capacity 2 players at 10 FPS each (--target-fps)"  # one by one: two steps of 40 ms fit in 100 ms
+    assert capacity_text({1: 0.18, 2: 0.4}, opt).startswith(
         "capacity 1 player: even one gets 5.6 FPS, under the 10 FPS of --target-fps")
-    assert capacity_text(2, {1: 0.18}, ServeOptions(max_sessions=2)) == "capacity 2 players"
+    assert capacity_text({1: 0.18}, ServeOptions(max_sessions=2)) == "capacity 2 players"
 
 
 def test_past_capacity_a_player_hears_server_full_and_the_others_keep_playing():

@@ -171,15 +171,25 @@ def encode_image(frame: np.ndarray, fmt: str, quality: int) -> bytes:
     return buf.getvalue()
 
 
-def capacity_text(capacity: int, step_s: dict[int, float], opt: ServeOptions) -> str:
+def players_at_target(step_s: dict[int, float], opt: ServeOptions) -> int:
+    """How many players each get ``opt.target_fps``, by the measured seconds of a step ``step_s``
+    (by padded batch size; one-by-one stepping: a player's step, once per player); 0: not even one."""
+    def seconds(n):
+        return step_s.get(batch_rows(n)) if opt.batched else (n * step_s[1] if 1 in step_s else None)
+
+    return max((n for n in range(1, opt.session_limit + 1)
+                if (s := seconds(n)) is not None and s * opt.target_fps <= 1), default=0)
+
+
+def capacity_text(step_s: dict[int, float], opt: ServeOptions) -> str:
     """The capacity and what it keeps, from the measured ``step_s`` by batch size."""
     if opt.max_sessions:
-        return f"capacity {capacity} players"
-    one = step_s[min(step_s)]
-    if one * opt.target_fps <= 1:
-        return f"capacity {capacity} players at {opt.target_fps:g} FPS each (--target-fps)"
-    return (f"capacity {capacity} player: even one gets {1 / one:.1f} FPS, under the {opt.target_fps:g} FPS of "
-            "--target-fps (a busy machine, or frames still eager)")
+        return f"capacity {opt.max_sessions} players"
+    players = players_at_target(step_s, opt)
+    if players:
+        return f"capacity {players} players at {opt.target_fps:g} FPS each (--target-fps)"
+    return (f"capacity 1 player: even one gets {1 / step_s[min(step_s)]:.1f} FPS, under the {opt.target_fps:g} FPS "
+            "of --target-fps (a busy machine, or frames still eager)")
 
 
 class Scheduler(threading.Thread):
@@ -384,19 +394,10 @@ class Scheduler(threading.Thread):
         self._update_capacity()
         ms = ", ".join(f"{n}: {s * 1000:.1f} ms" for n, s in self.step_s.items())
         self.log(f"[owl] serve: a step by players {ms} ({self.sessions.runner.compile_state()}); "
-                 + capacity_text(self.capacity, self.step_s, self.opt))
+                 + capacity_text(self.step_s, self.opt))
 
     def _update_capacity(self) -> None:
-        if self.opt.max_sessions:
-            self.capacity = self.opt.max_sessions
-            return
-        budget = 1 / self.opt.target_fps
-
-        def step_s(n):
-            return self.step_s.get(batch_rows(n)) if self.opt.batched else n * self.step_s[1]
-
-        fits = [n for n in range(1, self.opt.session_limit + 1) if step_s(n) is not None and step_s(n) <= budget]
-        self.capacity = max(fits, default=1)
+        self.capacity = self.opt.max_sessions or max(1, players_at_target(self.step_s, self.opt))
 
     def _publish(self) -> None:
         self.stats = {"sessions": len(self.players), "capacity": self.capacity,
