@@ -16,6 +16,14 @@ from .stage_ranks import alone, rank_main, sessions_alone, sessions_rank_main
 TINY = str(REPO / "checkpoints" / "untrained-tiny")
 
 
+# Ranks fork from one server process that imported torch and the engine once: spawning each
+# rank would import them again (seconds of CPU a rank, dozens of ranks here). The server has run
+# no torch op, so no thread pool is forked.
+RANKS = multiprocessing.get_context("forkserver")
+RANKS.set_forkserver_preload(["torch", "torch.distributed", "owl_wms.engine", "owl_wms.engine.sessions",
+                              "owl_wms.parallel", "tests.stage_ranks"])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -25,11 +33,10 @@ def free_port() -> int:
 def run_ranks(scenario: str, limit_s: float = 30, world: int = 2) -> dict:
     """Every rank's report {rank: (outcome, message, data)}; fails if one is still running after
     the time limit (a hang). ``world`` 3: a two-rank tensor-parallel mesh beside rank 0."""
-    ctx = multiprocessing.get_context("spawn")
-    reports = ctx.Queue()
+    reports = RANKS.Queue()
     port = free_port()
     target = sessions_rank_main if scenario.startswith("sessions") else rank_main
-    procs = [ctx.Process(target=target, args=(r, port, TINY, scenario, reports, world)) for r in range(world)]
+    procs = [RANKS.Process(target=target, args=(r, port, TINY, scenario, reports, world)) for r in range(world)]
     start = time.monotonic()
     for p in procs:
         p.start()
