@@ -65,8 +65,8 @@ OURS = [("eager", "eager, int8 in-place", {**INT8, "OWL_COMPILE": "0"}),
         ("whole-bf16", "compiled whole, bf16 in-place", {"OWL_RING_MODE": "inplace", "OWL_COMPILE": "auto"}),
         ("roll", "eager, bf16 roll (the original's layout)", {"OWL_RING_MODE": "roll", "OWL_COMPILE": "0"}),
         ("whole-here", "compiled whole in this process (OWL_COMPILE=1), int8 in-place", {**INT8, "OWL_COMPILE": "1"})]
-EAGER = OURS[0][1]
-DEFAULT_FLAGS = OURS[2][2]
+PATH = {key: (name, flags) for key, name, flags in OURS}
+EAGER, DEFAULT_FLAGS = PATH["eager"][0], PATH["whole"][1]
 # --paths key of the default and the eager path each again with the other kernel of a frame's
 # attention over the ring (Settings.ring_attention)
 OTHER_RING = "other-ring"
@@ -301,9 +301,9 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
                 for key, name, flags in OURS if key in args.paths]
         if OTHER_RING in args.paths:  # the default, compiled and eager, beside the other kernel
             other = "sdpa" if ours[0].ring == "matmul" else "matmul"
-            ours += [Ours(f"{name}, {other} ring", {**flags, "OWL_RING_ATTENTION": other}, model, decoder,
-                          world, history, dtype, args.device)
-                     for key in ("whole", "eager") if key in args.paths for k, name, flags in OURS if k == key]
+            ours += [Ours(f"{PATH[key][0]}, {other} ring", {**PATH[key][1], "OWL_RING_ATTENTION": other}, model,
+                          decoder, world, history, dtype, args.device)
+                     for key in ("whole", "eager") if key in args.paths]
         if classes is not None:  # the original's frames are decoded by this repo's eager path (uncompiled decoder)
             paths.append(Original(classes, model, ours[0] if decoder is not None else None, world, history, dtype,
                                   args.device))
