@@ -29,7 +29,7 @@ def compile_or_fail():
 
 
 WINDOW = 5  # ring slots of the global layer; the local layers hold 3 (tiny_config's local window)
-# A global and a local layer: the graph holds both kinds of ring and compiles in two thirds of the
+# A global and a local layer: the graph holds both kinds of ring and compiles in three quarters of the
 # time four layers take (each test here compiles its own graph cold).
 LAYERS = 2
 # Compiled float sums round differently from eager ones; an int8 ring can then store a value one
