@@ -62,13 +62,30 @@ def own_ticks() -> int | None:
     return sum(stats[pid][1] for pid in tree if pid in stats)
 
 
+FREE_BELOW = 0.3  # the share of a core other processes may use while it still counts as free (idle noise)
+
+
+def cpu_reading(clock=time.monotonic) -> tuple:
+    """(clock, every process's busy ticks, this process tree's ticks), for ``others_cores``."""
+    return clock(), system_busy_ticks(), own_ticks()
+
+
+def others_cores(before: tuple, after: tuple) -> float | None:
+    """Cores' worth of CPU time other processes took between two ``cpu_reading``s (None where
+    /proc is absent)."""
+    (t0, busy0, own0), (t1, busy1, own1) = before, after
+    if None in (busy0, own0, busy1, own1):
+        return None
+    return max(0.0, ((busy1 - busy0) - (own1 - own0)) / TICKS / (t1 - t0))
+
+
 class CoreBudget:
     """``cores``: what torch may use when the machine is free; ``adaptive`` False keeps it fixed
     (threads chosen by hand). ``check()`` between frames; ``limited`` says whether the last
     check gave torch fewer threads than ``cores``."""
 
     def __init__(self, cores: int, adaptive: bool = True, interval_s: float = 1.0, probe=None, clock=time.monotonic,
-                 free_below: float = 0.3):
+                 free_below: float = FREE_BELOW):
         """``free_below``: the share of a core other processes may use while it still counts as
         free (idle noise, or a server's own players' pages beside it)."""
         self.cores, self.interval_s, self.clock, self.free_below = max(1, cores), interval_s, clock, free_below
@@ -90,10 +107,8 @@ class CoreBudget:
         now = self.clock()
         if now - self._last[0] < self.interval_s:
             return self.threads
-        busy, own = self.probe()
-        wall = now - self._last[0]
-        self.others = max(0.0, ((busy - self._last[1]) - (own - self._last[2])) / TICKS / wall)
-        self._last = (now, busy, own)
+        reading = (now, *self.probe())
+        self.others, self._last = others_cores(self._last, reading), reading
         # a core counts as free while others use at most free_below of it: idle noise keeps every core
         threads = max(1, min(self.cores, int(self.cores - self.others + self.free_below)))
         if threads != self.threads:

@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inference.cores import TICKS, own_ticks, system_busy_ticks
+from inference.cores import FREE_BELOW, cpu_reading, others_cores
 from inference.flags import KNOWN, flag_message, resolve_settings, with_threads
 from scripts.common import PRESETS, REPO, load_presets, machine
 
 DEFAULT_VARIANTS = ["fp8_kv", "fp8_v_only", "int8_kv", "int4_v_only", "sharing", "ring_inplace"]
 WARMUP = 2  # frames before timing and recompile counting
-BUSY_CORES = 0.3  # other processes' CPU, in cores, past which a variant's speed is not comparable
+BUSY_CORES = FREE_BELOW  # other processes' CPU, in cores, past which a variant's speed is not comparable
 
 
 # -- variants ----------------------------------------------------------------------------------
@@ -143,13 +143,12 @@ def run_variant(name, env, spec, folder: Path) -> dict:
     # this repo's modules from anywhere.
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     child_env = {**clean, **env, "OWL_SEED": str(spec["seed"]), "PYTHONPATH": path}
-    start, busy, own = time.monotonic(), system_busy_ticks(), own_ticks()
+    before = cpu_reading()
     with open(folder / "log.txt", "w") as log:
         rc = subprocess.run([sys.executable, "-m", "scripts.ab_kv", "--worker", str(folder / "spec.json")],
                             env=child_env, stdout=log, stderr=None).returncode
     # cores' worth of CPU other processes took while the variant ran (its worker is reaped: own_ticks counts it)
-    others = (None if busy is None or own is None else
-              max(0.0, (system_busy_ticks() - busy - (own_ticks() - own)) / TICKS / (time.monotonic() - start)))
+    others = others_cores(before, cpu_reading())
     if rc != 0 or not (folder / "result.json").is_file():
         err = (folder / "error.txt").read_text() if (folder / "error.txt").is_file() else (folder / "log.txt").read_text()
         return {"name": name, "env": env, "error": err.strip().splitlines()[0] if err.strip() else f"exit code {rc}",
