@@ -31,6 +31,20 @@ GOLDEN = REPO.parent / "shared" / "golden" / "gamerft_motion_tiny.safetensors"
 QUIET_PACE_S = 0.14
 
 
+# The files that take longest, longest first (wall seconds on two workers, docs/results.md "The
+# test suite"): each worker takes the next whole file when it is free (pyproject's addopts), so
+# starting the long ones first leaves only short files for the end, and both workers finish
+# together. The rest keep their order. A stale list costs time, never a result.
+LONGEST_FIRST = ("test_benchmarks.py", "test_compiled.py", "test_kv_quant.py", "test_serve.py", "test_tp.py",
+                 "test_pp.py", "test_readme_commands.py", "test_stages.py", "test_world_recipe.py", "test_play.py",
+                 "test_ab_kv.py", "test_headless.py", "test_eval.py", "test_serve_browser.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 def machine_pace() -> float:
     """How many times slower than that quiet machine this one runs now (at least 1): the best of
     three timings of the same work, so a busy machine's limits grow with its load."""
