@@ -23,7 +23,7 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
     if not {"-h", "--help"} & set(sys.argv):
         print("[owl] starting ...", flush=True)
 
-from owl_wms.clips import is_clip_index, load_clip, world_clips  # noqa: E402
+from owl_wms.clips import check_clip, is_clip_index, load_clip, world_clips  # noqa: E402
 from owl_wms.config import ConfigError, WorldConfig, load_world  # noqa: E402
 from owl_wms.engine import CausvidPipeline, LifecycleError  # noqa: E402
 from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError, weights_path  # noqa: E402
@@ -186,12 +186,8 @@ def check_start(args, world: WorldConfig) -> None:
     clips = len(world_clips(world))
     if args.clip is None:
         args.clip = "0"
-    if args.world_seed is None and is_clip_index(args.clip):
-        if int(args.clip) >= clips:
-            raise ValueError(f"clip {args.clip} does not exist: world {world.name!r} has {clips} clips; "
-                             + (f"give --clip 0 to {clips - 1}" if clips else "start from a level with --world-seed N"))
-    elif args.world_seed is None:
-        load_clip(args.clip, world.model.channels, world.model.sample_size)
+    if args.world_seed is None:
+        check_clip(world, args.clip)
     if args.headless:
         specs = args.actions.split(",")
         scripts = [load_actions(spec, args.frames, clips=clips) for spec in specs]

@@ -107,3 +107,24 @@ def world_clips(world) -> list[Path]:
 def is_clip_index(text: str) -> bool:
     """``text`` names a clip by its index (ASCII digits), not by a path."""
     return text.isascii() and text.isdigit()
+
+
+def clip_path(world, index: int) -> Path:
+    """The file of the world's clip ``index``, or an error that says which indices there are."""
+    paths = world_clips(world)
+    if not paths:
+        raise FileNotFoundError(f"world {world.name!r} has no clips (pipeline.clips={world.pipeline.clips!r}); "
+                                "start from a simulator level or a clip file instead")
+    if not 0 <= index < len(paths):
+        raise ValueError(f"clip {index} does not exist: world {world.name!r} has {len(paths)} clips "
+                         f"(0 to {len(paths) - 1})")
+    return paths[index]
+
+
+def check_clip(world, clip: str) -> None:
+    """A start given as text, a clip index or a clip file, is one of the world's clips or a
+    file that loads for its model; raises with the fix otherwise (before any weights load)."""
+    if is_clip_index(clip):
+        clip_path(world, int(clip))
+    else:
+        load_clip(clip, world.model.channels, world.model.sample_size)

@@ -65,15 +65,36 @@ def weights_beside(config_path) -> Path:
     return Path(config_path).parent / "model.safetensors"
 
 
+def shipped_checkpoint_of(config_path) -> Path | None:
+    """The checkpoint folder beside the shipped world that holds the world ``config_path`` names,
+    the same model, with its weights (a config without weights is usually the recipe such a
+    folder was made from)."""
+    try:
+        world = load_config(config_path)
+        folder = SHIPPED_WORLD.parent / world.name
+        config = folder / "config.yaml"
+        if Path(config_path).resolve() == config.resolve() or not config.is_file():
+            return None
+        if load_config(config).model != world.model:
+            return None
+    except Exception:  # noqa: BLE001 - a config that does not parse names no folder; its own error comes later
+        return None
+    weights = weights_beside(config)
+    return folder if weights.is_file() or shard_index(weights) is not None else None
+
+
 def check_weights_present(path: Path, config_path=None) -> None:
     """Before anything loads: ``path`` (a file, or a sharded file's index) exists. ``config_path``:
     the config whose default weights ``path`` is (the error then says to pass a file)."""
     if path.is_file() or shard_index(path) is not None or path.is_dir():
         return  # a folder: _read_file names it
     if config_path is not None:
+        folder = shipped_checkpoint_of(config_path)
         raise CheckpointError(f"config {str(config_path)!r} has no weights beside it ({str(path)!r} does not exist); "
-                              "pass the weights file with --ckpt (Python: ckpt_path=), or a checkpoint folder that "
-                              "holds config.yaml and model.safetensors")
+                              + (f"the checkpoint folder {str(folder)!r} holds this world with its weights: pass "
+                                 "that folder as the checkpoint (--checkpoint), or " if folder is not None else "")
+                              + "pass the weights file with --ckpt (Python: ckpt_path=), or a checkpoint folder that "
+                                "holds config.yaml and model.safetensors")
     raise CheckpointError(f"checkpoint file {str(path)!r} does not exist (nor a sharded {path.name}.index.json "
                           "beside it); pass the path of a .safetensors, its .safetensors.index.json, or a .pt file")
 

@@ -375,12 +375,18 @@ def main(argv=None):
 
     from inference.actions import load_actions
     from inference.causvid_pipeline import DEFAULT_CHECKPOINT
+    from owl_wms.clips import check_clip, is_clip_index
     from owl_wms.config import load_world
     from tqdm import tqdm
 
 
     checkpoint = str(Path(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT)
     world = load_world(checkpoint)
+    if args.clip is not None:
+        try:
+            check_clip(world, args.clip)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"error: --clip {args.clip}: {e}") from None
     presets = load_presets()
     variants = [("baseline", {})]
     for spec in args.variant or DEFAULT_VARIANTS:
@@ -411,7 +417,7 @@ def main(argv=None):
     # pipeline events in action files do not apply here
     actions = [[list(map(float, m)), list(map(float, b))] for m, b in (x for x in items if not isinstance(x, dict))]
     args.frames = len(actions)
-    clip = int(args.clip) if args.clip is not None and args.clip.isdigit() else args.clip
+    clip = int(args.clip) if args.clip is not None and is_clip_index(args.clip) else args.clip
     spec = {"checkpoint": checkpoint, "world_seed": world_seed, "clip": clip, "actions": actions, "seed": args.seed}
 
     results, failed = [], []

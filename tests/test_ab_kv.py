@@ -1,6 +1,7 @@
 """A/B runs: determinism, fault detection by the health metrics, report files, crash handling."""
 import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -84,6 +85,21 @@ def test_a_bad_action_file_is_one_line_not_a_traceback(tmp_path):
                                                                                   "buttons must be 11 values")):
         with pytest.raises(SystemExit, match=f"error: .*{message}"):
             ab_kv.main(["--actions", actions, "--out", str(tmp_path / "ab")])
+
+
+def test_a_bad_clip_is_one_line_before_anything_runs_or_the_previous_run_is_cleared(tmp_path):
+    from scripts import ab_kv
+
+    out = tmp_path / "ab"
+    out.mkdir()
+    (out / "report.md").write_text("an earlier run's report")
+    (tmp_path / "not_a_clip.safetensors").write_text("text")
+    for clip, message in (("99", "clip 99 does not exist: world 'maze-world' has 4 clips (0 to 3)"),
+                          (str(tmp_path / "nowhere.safetensors"), "does not exist; give a clip .safetensors file"),
+                          (str(tmp_path / "not_a_clip.safetensors"), "is not a readable safetensors file")):
+        with pytest.raises(SystemExit, match=f"error: --clip .*{re.escape(message)}"):
+            ab_kv.main(["--clip", clip, "--frames", "2", "--out", str(out)])
+    assert (out / "report.md").read_text() == "an earlier run's report"
 
 
 def test_a_run_from_a_clip_explains_itself_and_replaces_the_previous_run(ab_run, tmp_path):

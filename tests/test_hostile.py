@@ -184,8 +184,12 @@ CASES = {
     "checkpoint-missing": (lambda t: ["--checkpoint", str(t / "nowhere")], {}, r"config file '.*nowhere' does not exist"),
     "ckpt-missing": (["--ckpt", "nowhere.safetensors"], {}, r"nowhere\.safetensors"),
     "config-without-weights": (lambda t: ["--checkpoint", str(REPO / "configs" / "untrained_tiny.yaml")], {},
-                               r"config '.*untrained_tiny\.yaml' has no weights beside it .*; pass the weights file "
-                               r"with --ckpt"),
+                               r"config '.*untrained_tiny\.yaml' has no weights beside it .*; the checkpoint folder "
+                               r"'.*untrained-tiny' holds this world with its weights: pass that folder as the "
+                               r"checkpoint \(--checkpoint\), or pass the weights file with --ckpt"),
+    "config-of-another-model-without-weights": (lambda t: ["--checkpoint", str(REPO / "configs" / "maze_world.yaml")], {},
+                                                r"config '.*maze_world\.yaml' has no weights beside it \([^)]*\); "
+                                                r"pass the weights file with --ckpt"),
     "ckpt-garbage": (lambda t: [(t / "w.safetensors").write_bytes(b"not a tensor file"), "--ckpt", str(t / "w.safetensors")][1:],
                      {}, r"w\.safetensors"),
     "weights-nan": (lambda t: ["--checkpoint", str(tiny_copy(t, weights_edit=nan_first))], {},

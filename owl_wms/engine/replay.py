@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..clips import Clip, load_clip, world_clips
+from ..clips import Clip, clip_path, load_clip, world_clips
 from ..config import WorldConfig
 from ..controls import as_controls
 
@@ -26,14 +26,7 @@ class ClipReplay:
     def load(self, clip) -> Clip:
         """``clip``: an index into ``paths``, a path, or a ``Clip``."""
         if isinstance(clip, int):
-            paths = self.paths
-            if not paths:
-                raise FileNotFoundError(f"world {self.world.name!r} has no clips (pipeline.clips="
-                                        f"{self.world.pipeline.clips!r})")
-            if not 0 <= clip < len(paths):
-                raise ValueError(f"clip {clip} does not exist: world {self.world.name!r} has {len(paths)} clips "
-                                 f"(0 to {len(paths) - 1})")
-            clip = paths[clip]
+            clip = clip_path(self.world, clip)
         cfg = self.world.model
         self.clip = clip if isinstance(clip, Clip) else load_clip(clip, cfg.channels, cfg.sample_size)
         return self.clip
