@@ -3,9 +3,11 @@
     python -m scripts.bench_compile [--frames 32] [--device cpu] [--mode "int8 inplace" ...] [--json out.json]
 
 For each mode: frames per second (denoise + decode) eagerly and compiled, each as a ratio to
-the first mode's eager FPS from the same run (bf16 roll unless --mode picks others), and the
-torch.compile graphs made after the warm-up frames (dynamo's ``unique_graphs`` counter): 0 means
-decoding does not recompile in steady state.
+the first mode's eager FPS from the same run (bf16 roll unless --mode picks others); the compiled
+run's warm-up (its first 4 frames, where the compiles happen: seconds and torch.compile graphs;
+run it with an empty TORCHINDUCTOR_CACHE_DIR for a first start's cost); and the graphs made after
+the warm-up frames (dynamo's ``unique_graphs`` counter): 0 means decoding does not recompile in
+steady state.
 """
 from __future__ import annotations
 
@@ -47,11 +49,13 @@ def main(argv=None):
             *world_rows(modes, args.checkpoint, args.frames, args.device, compiled=True)]
     ref_name = next(iter(modes))
     ref = rows[0]["fps"]
-    print(f"\n{'mode':<20} {'eager FPS':>10} {'compiled FPS':>13} {'x eager ' + ref_name:>18} {'recompiles':>11} {'KV MiB':>8}")
+    print(f"\n{'mode':<20} {'eager FPS':>10} {'compiled FPS':>13} {'x eager ' + ref_name:>18} "
+          f"{'compiled warm-up':>17} {'recompiles':>11} {'KV MiB':>8}")
     for name in modes:
         eager, comp = (next(r for r in rows if r["mode"] == name and r["compiled"] == c) for c in (False, True))
+        warm = f"{comp['warmup_s']:.1f} s, {comp['warmup_graphs']} graphs"
         print(f"{name:<20} {eager['fps']:>10.2f} {comp['fps']:>13.2f} {eager['fps'] / ref:>8.2f} / {comp['fps'] / ref:<7.2f} "
-              f"{eager['recompiles']:>4} / {comp['recompiles']:<4} {eager['kv_mib']:>8.2f}")
+              f"{warm:>17} {eager['recompiles']:>4} / {comp['recompiles']:<4} {eager['kv_mib']:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "torch": torch.__version__, "rows": rows}, f, indent=2)

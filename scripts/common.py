@@ -82,8 +82,9 @@ def load_presets() -> dict[str, dict[str, str]]:
 
 def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool = False, warmup: int = 4) -> list[dict]:
     """Each mode (name -> OWL_* flags) on the shipped world (real pipeline, denoise + decode,
-    walk_turn actions): FPS, median ms, KV bytes, and the torch.compile graphs made after the
-    warm-up frames (0: no recompiles in steady state)."""
+    walk_turn actions): FPS, median ms, KV bytes, the warm-up frames' seconds and torch.compile
+    graphs (a compiled mode's compiles happen there), and the graphs made after the warm-up
+    (0: no recompiles in steady state)."""
     from torch._dynamo.utils import counters
 
     from inference.actions import load_actions
@@ -94,21 +95,24 @@ def world_rows(modes: dict, checkpoint, frames: int, device: str, compiled: bool
     for name, env in modes.items():
         settings = path_settings({}, {**env, "OWL_DEVICE": device, "OWL_COMPILE": "1" if compiled else "0"})
         pipe = CausvidPipeline.from_checkpoint(checkpoint, settings=settings, verbose=False)
-        times, graphs = [], 0
+        times, start, began = [], counters["stats"]["unique_graphs"], time.perf_counter()
+        graphs, warmup_s = start, 0.0
         for i in range(frames + warmup):
             if i == warmup:
-                graphs = counters["stats"]["unique_graphs"]
+                graphs, warmup_s = counters["stats"]["unique_graphs"], time.perf_counter() - began
             mouse, buttons = actions[i]
             _, seconds = pipe(torch.tensor(mouse), torch.tensor(buttons, dtype=torch.float32))
             if i >= warmup:
                 times.append(seconds)
         rows.append({"mode": name, "compiled": compiled, "fps": len(times) / sum(times),
                      "median_ms": statistics.median(times) * 1000, "kv_mib": pipe.kv_bytes / 2**20,
+                     "warmup_s": warmup_s, "warmup_graphs": graphs - start,
                      "recompiles": counters["stats"]["unique_graphs"] - graphs,
                      "flags": " ".join(f"{k}={v}" for k, v in env.items()) or "(defaults)"})
         r = rows[-1]  # as it is measured, so a run cut short still shows its rows
         print(f"  measured {name:<24} {'compiled' if compiled else 'eager':<8} {r['fps']:7.2f} FPS "
-              f"{r['median_ms']:8.1f} ms  {r['kv_mib']:7.2f} MiB  recompiles {r['recompiles']}", flush=True)
+              f"{r['median_ms']:8.1f} ms  {r['kv_mib']:7.2f} MiB  warm-up {r['warmup_s']:.1f} s, "
+              f"{r['warmup_graphs']} graphs  recompiles {r['recompiles']}", flush=True)
         del pipe
         gc.collect()
     return rows

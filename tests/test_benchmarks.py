@@ -29,9 +29,10 @@ def bench(module: str, *args, cwd=REPO, quiet_seconds: float = 300, env: dict | 
 def test_bench_compile_measures_eager_and_compiled_modes(tiny2):
     out = bench("bench_compile", "--checkpoint", tiny2, "--frames", 2,
                 "--mode", "int8 inplace")
-    row = re.search(rf"^int8 inplace +({NUMBER}) +({NUMBER}) +{NUMBER} / {NUMBER} +(\d+) / (\d+) +{NUMBER}$", out, re.M)
+    row = re.search(rf"^int8 inplace +({NUMBER}) +({NUMBER}) +{NUMBER} / {NUMBER} +({NUMBER}) s, (\d+) graphs "
+                    rf"+(\d+) / (\d+) +{NUMBER}$", out, re.M)
     assert row, out
-    assert float(row[1]) > 0 and float(row[2]) > 0
+    assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0 and int(row[4]) >= 1  # its graph was built
     assert "bf16 roll" not in out and "bf16 inplace" not in out  # only the mode asked for
 
 
