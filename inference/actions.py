@@ -9,6 +9,7 @@ pipeline events between frames, replayed in order: ``{"event": "restart"}``,
 """
 from __future__ import annotations
 
+import difflib
 import json
 import weakref
 from pathlib import Path
@@ -182,8 +183,11 @@ def load_actions(spec: str, frames: int | None, seed: int = 0, clips: int | None
         return _builtin(name, frames or 64, int(arg) if arg else seed)
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"--actions {spec!r} is neither a built-in script ({', '.join(BUILTIN)}) "
-                         "nor an existing JSON-lines file")
+        close = difflib.get_close_matches(name, list(BUILTIN), n=1)
+        why = (f"did you mean {close[0]!r}?" if close and not path.suffix else "it is a folder" if path.is_dir()
+               else "no such file" if path.suffix or len(path.parts) > 1 else "")
+        raise ValueError(f"--actions {spec!r} is neither a built-in script ({', '.join(BUILTIN)}, random:SEED) "
+                         "nor an existing JSON-lines file" + (f" ({why})" if why else ""))
     items = read_action_file(path, clips)
     n = sum(not is_event(x) for x in items)
     if frames is None:

@@ -142,7 +142,8 @@ def check_ground_truth(pipe, items: list) -> None:
 
 def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBudget | None = None) -> int:
     """Render ``args.actions`` to ``args.out`` with the pipeline ``build(args, tp)`` makes; returns
-    the exit code (130 when interrupted). The video of the frames so far is always finalised.
+    the exit code (when a stop signal ended it, the shell's status for that signal: 130 for Ctrl-C). The
+    video of the frames so far is always finalised.
     ``budget``: torch's threads, re-checked between frames."""
     from tqdm import tqdm
 
@@ -153,7 +154,7 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
         if args.save_frames is not None else None
     sheet_path = check_output_path(args.sheet, suffix=".png", flag="--sheet") if args.sheet is not None else None
     writer = Mp4Writer(args.out, fps=args.fps, scale=args.scale)  # checked before the model loads
-    interrupted, error = False, None
+    interrupted, error, stop = False, None, None
     frame_seconds: list[float] = []  # each frame's denoise + decode (decoding beside: since the frame before)
     shown = []  # the views of each frame, (simulator, model) or (model,): --save-frames and --sheet
     bar = stage = last_out = None
@@ -239,23 +240,26 @@ def run_headless(args, build, tp: ParallelContext | None = None, budget: CoreBud
             keep_decoded(stage, show)
         if bar is not None:
             bar.close()  # messages after it start on a line of their own
-        path = writer.close()
+        path, also = writer.close(), []
         if frames_path is not None and shown:
             save_frames(frames_path, [views[-1] for views in shown])
+            also.append(frames_path)
         if sheet_path is not None and shown:
             save_sheet(sheet_path, shown, args.sheet_every)
+            also.append(sheet_path)
     n = writer.frames
     if path is not None:
         total = time.perf_counter() - start
         stopped = " - interrupted" if interrupted else " - stopped by an error" if error else ""
-        print(f"wrote {path} ({n} frames){stopped}; {pipeline_rate(frame_seconds)}, total {n / total:.2f} FPS")
+        print(f"wrote {path} ({n} frames){''.join(f', {p}' for p in also)}{stopped}; {pipeline_rate(frame_seconds)}, "
+              f"total {n / total:.2f} FPS")
         if budget is not None and budget.describe():
             print(f"[owl] {budget.describe()}")
     elif interrupted or error:
         print("stopped before the first frame; no video written" if n == 0 else "no video written")
     if error is not None:
         raise error
-    return 130 if interrupted else 0
+    return (stop.exit_code if stop is not None else 130) if interrupted else 0
 
 
 def numbered(path: str | None, i: int) -> str | None:
@@ -289,7 +293,7 @@ def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
     sheet_paths = [check_output_path(numbered(args.sheet, i), suffix=".png", flag="--sheet")
                    for i in range(n)] if args.sheet is not None else None
     writers = [Mp4Writer(numbered(args.out, i), fps=args.fps, scale=args.scale) for i in range(n)]
-    interrupted, error, bar, shown = False, None, None, [[] for _ in range(n)]
+    interrupted, error, bar, stop, shown = False, None, None, None, [[] for _ in range(n)]
     step_seconds, start = [], time.perf_counter()
     try:
         sessions, pipes = build(args)
@@ -339,8 +343,10 @@ def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
         for i in range(n):
             if frames_paths is not None and shown[i]:
                 save_frames(frames_paths[i], [views[-1] for views in shown[i]])
+                paths.append(frames_paths[i])
             if sheet_paths is not None and shown[i]:
                 save_sheet(sheet_paths[i], shown[i], args.sheet_every)
+                paths.append(sheet_paths[i])
     made = sum(w.frames for w in writers)
     if any(p is not None for p in paths):
         elapsed = time.perf_counter() - start
@@ -354,7 +360,7 @@ def run_sessions(args, build, budget: CoreBudget | None = None) -> int:
         print("stopped before the first frame; no video written")
     if error is not None:
         raise error
-    return 130 if interrupted else 0
+    return (stop.exit_code if stop is not None else 130) if interrupted else 0
 
 
 def session_args(args, i: int):

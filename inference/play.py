@@ -611,7 +611,7 @@ class Game:
                 running, last_draw = True, 0.0
                 while running:
                     if stop.requested:
-                        code = 130
+                        code = stop.exit_code
                         break
                     dirty = False
                     for event in pygame.event.get():
@@ -637,7 +637,7 @@ class Game:
                         last_draw = time.perf_counter()
                     self.clock.tick(self.opt.target_fps)
             except KeyboardInterrupt:
-                code = 130
+                code = stop.exit_code
             finally:
                 self.worker.stop()
                 self.worker.join(timeout=30)

@@ -62,13 +62,20 @@ class StopOnSigint:
     def __enter__(self):
         end_startup()
         self.requested = False
+        self.signum = signal.SIGINT  # the first stop signal (a second Ctrl-C's KeyboardInterrupt is SIGINT's)
         self._previous = _install(self._handle)
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signum = True, signum
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status of a run this signal stopped, as the shell's for it: 128 + its number
+        (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
+        return 128 + self.signum
 
     def __exit__(self, *exc):
         _restore(self._previous)

@@ -34,13 +34,13 @@ def check_output_path(path: str | Path, suffix: str = ".mp4", flag: str = "--out
     if not str(path).strip():
         raise OutputPathError(f"{flag} is empty; give a file name ending in {suffix}, e.g. 'out{suffix}'")
     path = Path(path)
+    if path.is_dir():  # (before the suffix: a folder is the mistake to name, whatever its name)
+        raise OutputPathError(f"{flag} {str(path)!r} is a folder; give a file name, e.g. {str(path / ('out' + suffix))!r}")
     if path.suffix.lower() != suffix:
         raise OutputPathError(f"{flag} {str(path)!r} must end in {suffix}")
     parent = path.parent
     if not parent.is_dir():
         raise OutputPathError(f"output folder {str(parent)!r} does not exist; create it or choose another {flag}")
-    if path.is_dir():
-        raise OutputPathError(f"{flag} {str(path)!r} is a folder; give a file name, e.g. {str(path / ('out' + suffix))!r}")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise OutputPathError(f"output {str(path)!r} is not writable; choose another {flag}")
     # Fail now, not after an hour of play, if the folder refuses the file (a name too long, say).

@@ -9,6 +9,7 @@ clips and the evaluation must use too). Relative paths in
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,6 +266,16 @@ def load_world(checkpoint: str | Path) -> WorldConfig:
     if checkpoint.is_file() and checkpoint.suffix.lower() not in (".yaml", ".yml"):
         raise ConfigError(f"{str(checkpoint)!r} is a file of a checkpoint, not its config: pass the checkpoint's "
                           f"folder ({str(checkpoint.parent)!r}) or its config.yaml")
+    if checkpoint.is_dir() and not (checkpoint / "config.yaml").is_file():
+        raise ConfigError(f"folder {str(checkpoint)!r} is not a checkpoint: it holds no config.yaml; pass a checkpoint "
+                          "folder (config.yaml and model.safetensors, for example checkpoints/maze-world) or a config file")
+    if not checkpoint.exists():
+        close = difflib.get_close_matches(checkpoint.name, [p.name for p in checkpoint.parent.iterdir()], n=1) \
+            if checkpoint.parent.is_dir() else []
+        raise ConfigError(f"checkpoint {str(checkpoint)!r} does not exist"
+                          + (f" (did you mean {str(checkpoint.parent / close[0])!r}?)" if close else "")
+                          + "; pass a checkpoint folder (config.yaml and model.safetensors, for example "
+                            "checkpoints/maze-world) or a config file")
     return load_config(checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint)
 
 

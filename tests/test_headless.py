@@ -61,12 +61,14 @@ def test_profile_lines_when_enabled(tmp_path):
     assert len(lines) == 3 and all("step1_ms=" in ln and "decoder_ms=" in ln for ln in lines[1:])
 
 
-@pytest.mark.parametrize("decode", ["sync", "async"])
-def test_ctrl_c_leaves_a_valid_mp4(tmp_path, decode):
-    out = tmp_path / "long.mp4"
+@pytest.mark.parametrize("decode, stop, status", [("sync", signal.SIGINT, 130), ("async", signal.SIGTERM, 143)])
+def test_a_stop_signal_leaves_a_valid_mp4_and_exits_with_the_shell_s_status_for_it(tmp_path, decode, stop, status):
+    """Ctrl-C (to the process group, as a terminal sends it) or SIGTERM: the frames so far are a
+    valid video, every output is named in the closing line, and the exit status is 128 + the signal."""
+    out, sheet = tmp_path / "long.mp4", tmp_path / "long.png"
     proc = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--headless", "--frames", "2000",
-                             "--out", str(out)], cwd=REPO, env={**ENV, "OWL_DECODE": decode}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--out", str(out), "--sheet", str(sheet)], cwd=REPO, env={**ENV, "OWL_DECODE": decode},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = []
     reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)
     reader.start()
@@ -78,14 +80,18 @@ def test_ctrl_c_leaves_a_valid_mp4(tmp_path, decode):
     while time.time() < deadline and progress() < 8 and proc.poll() is None:
         time.sleep(0.1)
     assert proc.poll() is None, "".join(seen)[-3000:]
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    if stop == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    else:
+        proc.send_signal(stop)
     stdout, _ = proc.communicate(timeout=time_limit(60))
-    assert proc.returncode == 130, stdout + "".join(seen)
+    assert proc.returncode == status, stdout + "".join(seen)
     # the background compile process (started after the first frame, maybe still importing torch)
     # leaves the Ctrl-C to the app: no KeyboardInterrupt from it
     assert "KeyboardInterrupt" not in stdout + "".join(seen), (stdout + "".join(seen))[-3000:]
-    written = int(re.search(r"\((\d+) frames\) - interrupted", stdout).group(1))
-    assert 8 <= written < 2000 and count_frames(out) == written
+    written = int(re.search(rf"wrote {re.escape(str(out))} \((\d+) frames\), {re.escape(str(sheet))} - interrupted",
+                            stdout).group(1))
+    assert 8 <= written < 2000 and count_frames(out) == written and sheet.stat().st_size > 0
     assert not list(tmp_path.glob(".*partial*"))
 
 

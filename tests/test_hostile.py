@@ -116,6 +116,7 @@ CASES = {
     "sheet-empty-batched": (["--sheet", "", "--sessions", "2"], {}, r"--sheet is empty; give a file name ending in \.png"),
     "out-missing-folder": (lambda t: ["--out", str(t / "no" / "x.mp4")], {}, r"output folder '.*no' does not exist"),
     "out-is-folder": (lambda t: (t / "d.mp4").mkdir() or ["--out", str(t / "d.mp4")], {}, r"--out '.*d\.mp4' is a folder"),
+    "out-is-folder-without-suffix": (lambda t: ["--out", str(t)], {}, r"--out '.*in' is a folder; give a file name"),
     "save-frames-suffix": (lambda t: ["--save-frames", str(t / "f.txt")], {}, r"--save-frames '.*f\.txt' must end in \.npy"),
     "save-frames-is-folder": (lambda t: (t / "f.npy").mkdir() or ["--save-frames", str(t / "f.npy")], {},
                               r"--save-frames '.*f\.npy' is a folder"),
@@ -126,7 +127,9 @@ CASES = {
     "pp-with-tp": (["--pp", "2", "--tp", "2"], {}, r"--pp 2 --tp 2 needs 3 processes started by torchrun"),
     "pp-three": (["--pp", "3"], {}, r"argument --pp: invalid choice: 3"),
     # action scripts and files
-    "actions-missing": (["--actions", "nowhere.jsonl"], {}, r"--actions 'nowhere\.jsonl' is neither a built-in script"),
+    "actions-missing": (["--actions", "nowhere.jsonl"], {},
+                        r"--actions 'nowhere\.jsonl' is neither a built-in script .* \(no such file\)"),
+    "actions-misspelled": (["--actions", "walk_trun"], {}, r"--actions 'walk_trun' .* \(did you mean 'walk_turn'\?\)"),
     "actions-builtin-arg": (["--actions", "forward:3"], {}, r"action script 'forward:3': only 'random' takes a seed"),
     "actions-random-seed-text": (["--actions", "random:abc"], {},
                                  r"action script 'random:abc': the seed after 'random:' is a whole number"),
@@ -181,7 +184,12 @@ CASES = {
                                            str(t / "model.safetensors")][1:], {},
                                 r"'.*model\.safetensors' is a file of a checkpoint, not its config: pass the "
                                 r"checkpoint's folder"),
-    "checkpoint-missing": (lambda t: ["--checkpoint", str(t / "nowhere")], {}, r"config file '.*nowhere' does not exist"),
+    "checkpoint-missing": (lambda t: ["--checkpoint", str(t / "nowhere")], {},
+                           r"checkpoint '.*nowhere' does not exist; pass a checkpoint folder"),
+    "checkpoint-misspelled": (["--checkpoint", str(REPO / "checkpoints" / "maze-wrold")], {},
+                              r"checkpoint '.*maze-wrold' does not exist \(did you mean '.*checkpoints/maze-world'\?\)"),
+    "checkpoint-folder-without-config": (["--checkpoint", str(REPO / "configs")], {},
+                                         r"folder '.*configs' is not a checkpoint: it holds no config\.yaml"),
     "ckpt-missing": (["--ckpt", "nowhere.safetensors"], {}, r"nowhere\.safetensors"),
     "config-without-weights": (lambda t: ["--checkpoint", str(REPO / "configs" / "untrained_tiny.yaml")], {},
                                r"config '.*untrained_tiny\.yaml' has no weights beside it .*; the checkpoint folder "
