@@ -4,10 +4,10 @@
 
 For each mode: frames per second (denoise + decode) eagerly and compiled, each as a ratio to
 the first mode's eager FPS from the same run (bf16 roll unless --mode picks others); the compiled
-run's warm-up (its first 4 frames, where the compiles happen: seconds and torch.compile graphs;
-run it with an empty TORCHINDUCTOR_CACHE_DIR for a first start's cost); and the graphs made after
-the warm-up frames (dynamo's ``unique_graphs`` counter): 0 means decoding does not recompile in
-steady state.
+run's warm-up (loading, the history's prefill and the first 4 frames, where the compiles happen:
+seconds and torch.compile graphs; with an empty TORCHINDUCTOR_CACHE_DIR, a first start's cost);
+and the graphs made after the warm-up frames (dynamo's ``unique_graphs`` counter): 0 means
+decoding does not recompile in steady state.
 """
 from __future__ import annotations
 
