@@ -164,28 +164,34 @@ class DiTBlock(nn.Module):
     def forward(self, x, mods, rope, kv_cache, backend, window_cap, bias: float | tuple = 0.0,
                 decode_from: int | None = None):
         """``mods``: this block's AdaLN and gate parameters of the conditioning (``Transformer.modulations``)."""
+        # Compiled halves serve a generated frame's calls; a history (prefill, hard cut, recompute)
+        # runs eagerly, as the one-graph frame call leaves it: a graph per history length would be
+        # a compile for a call made once a cut.
+        one_frame = x.shape[1] <= self.attn.tpf
+        pre, pre_q, post = ((self._pre, self._pre_q, self._post) if one_frame
+                            else (self.pre_attention, self.pre_attention_q, self.post_attention))
         if kv_cache is not None and kv_cache.borrows(self.attn.layer):
             # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
-            q = self._pre_q(x, mods, *rope)
+            q = pre_q(x, mods, *rope)
             k, v, mask = kv_cache.attend_window(self.attn.layer)
             if mask is not None:  # a frame over the ring, under this layer's window
-                return self._post(x, mods, q, k, v, mask, None, "ring")
+                return post(x, mods, q, k, v, mask, None, "ring")
         elif kv_cache is not None and kv_cache.on_device:
             # A frame's ring mask carries each row's bias (a tensor: no host value in the call); a
             # history's keys come in time order and take the rule and the bias below.
-            q, k, v = self._pre(x, mods, *rope)
+            q, k, v = pre(x, mods, *rope)
             k, v, mask = kv_cache.attend_window(self.attn.layer, k, v)
             if mask is not None:
-                return self._post(x, mods, q, k, v, mask, None, "ring")
+                return post(x, mods, q, k, v, mask, None, "ring")
         else:
-            q, k, v = self._pre(x, mods, *rope)
+            q, k, v = pre(x, mods, *rope)
             k, v, mask = self.attn.with_cache(k, v, kv_cache)
         window = self.attn.effective_window(window_cap, mods[0].shape[1], decode_from)
         if bias:  # soft forgetting: an additive mask replaces the boolean rule (zero bias: untouched)
             tpf = self.attn.tpf
             bias = tuple(map(float, bias)) if isinstance(bias, tuple) else float(bias)
             mask = history_bias_mask(q.shape[2] // tpf, k.shape[2] // tpf, tpf, window, bias, q.dtype, str(q.device))
-        return self._post(x, mods, q, k, v, mask, window, backend)
+        return post(x, mods, q, k, v, mask, window, backend)
 
     _pre = pre_attention
     _pre_q = pre_attention_q

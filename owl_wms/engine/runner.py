@@ -11,8 +11,6 @@ every write on the host) run eagerly, or with a graph per block half.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..cache import plan_layers
@@ -158,13 +156,8 @@ class ModelRunner:
                 if self.background is not None and self.frame_calls > 2:  # the next frame's call: one is made
                     self.background.frames_began()
                 cache.disable_cache_updates()
-        # A history (prefill, hard cut, recompute) runs eagerly in every mode, as the one-graph
-        # frame call leaves it: a graph for each history length would cost a compile per length
-        # for a call made once per cut.
-        history = self.compiled == "blocks" and x.shape[1] > 1
         try:
-            with torch.compiler.set_stance("force_eager") if history else contextlib.nullcontext():
-                return self.core(x, t, mouse, buttons, kv_cache=cache, attn_bias=bias)
+            return self.core(x, t, mouse, buttons, kv_cache=cache, attn_bias=bias)
         finally:
             cache.disable_cache_updates()
 
