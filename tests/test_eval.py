@@ -112,7 +112,7 @@ def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32):
     """--schedule replaces the checkpoint's sampler (recorded in the report); a bad one is refused."""
     from scripts import eval_world
 
-    short = ["--episodes", "2", "--frames", "2", "--tf-frames", "2", "--gap-range", "1", "2", "--turn-frames", "2",
+    short = ["--episodes", "1", "--frames", "2", "--tf-frames", "2", "--gap-range", "1", "2", "--turn-frames", "2",
              "--sheet-episodes", "0", "--script-frames", "2"]
     eval_world.main(short + ["--out", str(tmp_path / "two")])
     eval_world.main(short + ["--schedule", "1", "0.5", "0.25", "0", "--rest-frames", "0", "--out", str(tmp_path / "three")])

@@ -84,7 +84,7 @@ CASES = {
     "frames-zero": (["--frames", "0"], {}, r"--frames 0: must be a whole number in \[1, 100000\]"),
     "frames-negative": (["--frames", "-5"], {}, r"--frames -5: must be"),
     "frames-billion": (["--frames", "1000000000"], {}, r"--frames 1000000000: must be a whole number in \[1, 100000\]"),
-    "frames-text": (["--frames", "abc"], {}, r"--frames: invalid int value: 'abc'"),
+    "frames-text": (["--frames", "abc"], {}, r"--frames 'abc': must be a whole number"),
     "scale-zero": (["--scale", "0"], {}, r"--scale 0: must be"),
     "scale-huge": (["--scale", "400"], {}, r"--scale 400: must be a whole number in \[1, 16\]"),
     "tp-zero": (["--tp", "0"], {}, r"--tp 0: must be"),
