@@ -34,7 +34,7 @@ WINDOW = 5  # ring slots of the global layer; the local layers hold 3 (tiny_conf
 LAYERS = 2
 # Compiled float sums round differently from eager ones; an int8 ring can then store a value one
 # code step away (under 1% of the token's largest value).
-TOLERANCE = {"bf16": 1e-4, "int8": 2e-3, "fp8_e4m3": 2e-2, "int4": 2e-2}
+TOLERANCE = {"int8": 2e-3, "int4": 2e-2}
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -77,9 +77,10 @@ def play(pipe, frames: int, seed: int = 2) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("storage", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("storage", ["int8", "int4"])
 def test_the_graph_gives_the_eager_frames_within_float_rounding(storage, device):
-    """Three wrap-arounds of every ring (15 frames over 5 and 3 slots), then a fresh history."""
+    """Three wrap-arounds of every ring (15 frames over 5 and 3 slots), then a fresh history. (A
+    bf16 ring's graph: test_in_bf16_on_the_cpu_the_graph_is_as_close_to_fp32_as_the_eager_step.)"""
     eager, compiled = pipeline(storage, False, device=device), pipeline(storage, True, device=device)
     assert eager.runner.compiled is None and compiled.runner.compiled == "whole"
     a, b = play(eager, 3 * WINDOW), play(compiled, 3 * WINDOW)
@@ -316,6 +317,26 @@ def test_a_compile_process_whose_app_ends_before_its_job_arrives_ends_quietly(ca
         with pytest.raises(EOFError):
             reader.recv()  # it built nothing and said nothing
     assert capfd.readouterr().err == ""
+
+
+def test_an_exiting_app_lets_a_compile_process_start_under_way_finish_first(monkeypatch):
+    """A start cut short by the app's exit leaves a child that prints spawn's unpickling traceback
+    on the terminal after the app has gone: the exit waits for the loader thread's start."""
+    import threading
+
+    from owl_wms.engine import precompile
+
+    starting = threading.Lock()
+    monkeypatch.setattr(precompile, "_STARTING", starting)
+    monkeypatch.setattr(precompile, "_ENDING", threading.Event())
+    starting.acquire()  # the loader thread is starting the compile process
+    ending = threading.Thread(target=precompile.end_compile_processes)
+    ending.start()
+    ending.join(0.5)
+    assert ending.is_alive() and precompile._ENDING.is_set()  # no other start begins; this one finishes
+    starting.release()
+    ending.join(30)
+    assert not ending.is_alive()
 
 
 def blocked_signals(conn) -> None:

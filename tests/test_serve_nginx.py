@@ -23,7 +23,9 @@ def free_port() -> int:
 
 @pytest.mark.skipif(NGINX is None, reason="needs Debian's nginx (apt-get install nginx)")
 def test_four_players_spread_over_two_servers_behind_nginx(tmp_path):
-    with Server("--max-sessions", 2) as a, Server("--max-sessions", 2) as b:
+    # (a few steps a second: the test needs a few frames, and a server stepping as fast as it goes
+    # takes cores from the tests beside it for as long as they slow it down)
+    with Server("--max-sessions", 2, "--max-fps", 4) as a, Server("--max-sessions", 2, "--max-fps", 4) as b:
         port = free_port()
         backends = [s.url.removeprefix("http://") for s in (a, b)]
         r = run_main("scripts.nginx_config", ["--listen", f"127.0.0.1:{port}", "--prefix", tmp_path / "nginx",

@@ -166,13 +166,18 @@ def reason(exc: BaseException) -> str:
 
 COMPILE_PROCESS = "owl-compile"
 _ENDING = threading.Event()  # the app is exiting: no compile process starts any more
+_STARTING = threading.Lock()  # held while a compile process starts
 
 
 def end_compile_processes() -> None:
-    """An app that exits ends its compile process first (quietly: by SIGTERM) and starts no other."""
+    """An app that exits ends its compile process first (quietly: by SIGTERM) and starts no other.
+    A start under way on the loader thread finishes first: cut short, it would leave a child that
+    prints spawn's unpickling traceback after the app has gone."""
     import multiprocessing
 
     _ENDING.set()
+    if _STARTING.acquire(timeout=10):  # (a start writes a few bytes down a pipe: milliseconds)
+        _STARTING.release()
     for child in multiprocessing.active_children():
         if child.name == COMPILE_PROCESS:
             end_with_its_compilers(child)
@@ -336,8 +341,6 @@ class BackgroundCompile:
     def _build(self, items) -> None:
         import torch.multiprocessing as mp
 
-        if _ENDING.is_set():  # the app is exiting
-            return
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe(duplex=False)
         child_jobs, jobs = ctx.Pipe(duplex=False)
@@ -346,7 +349,10 @@ class BackgroundCompile:
         # that ends quietly (a start cut short leaves one that prints spawn's unpickling traceback).
         self.process = ctx.Process(target=compile_graphs, args=(child_jobs, child_conn), daemon=True,
                                    name=COMPILE_PROCESS)
-        start_without_ctrl_c(self.process)
+        with _STARTING:  # an exiting app waits for the start (end_compile_processes)
+            if _ENDING.is_set():  # the app is exiting
+                return
+            start_without_ctrl_c(self.process)
         child_conn.close()
         child_jobs.close()
         try:
