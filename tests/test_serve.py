@@ -170,7 +170,8 @@ def closed_with(player: Player, timeout: float = 30) -> tuple[int, str]:
 
 
 def test_hostile_messages_get_errors_or_a_closed_reason_and_never_touch_another_player(tmp_path):
-    with Server("--max-sessions", 3, "--idle-timeout", 6, "--max-fps", 6, env=FP32) as server:  # (enough frames; cores left to the tests beside it)
+    # (6 steps a second: frames enough for the good player, cores left to the tests beside it)
+    with Server("--max-sessions", 3, "--idle-timeout", 6, "--max-fps", 6, env=FP32) as server:
         good = Player(server.ws_url, seed=21, format="png")
         assert good.welcome["type"] == "welcome" and good.welcome["seed"] == 21
         playing = threading.Event()

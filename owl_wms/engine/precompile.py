@@ -342,16 +342,17 @@ class BackgroundCompile:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        conn, child_conn = ctx.Pipe(duplex=False)
-        child_jobs, jobs = ctx.Pipe(duplex=False)
-        # The job goes through a pipe of its own once the child runs, not with the start: the start
-        # then writes a few bytes, and an app that exits while the job is on its way leaves a child
-        # that ends quietly (a start cut short leaves one that prints spawn's unpickling traceback).
-        self.process = ctx.Process(target=compile_graphs, args=(child_jobs, child_conn), daemon=True,
-                                   name=COMPILE_PROCESS)
         with _STARTING:  # an exiting app waits for the start (end_compile_processes)
             if _ENDING.is_set():  # the app is exiting
                 return
+            conn, child_conn = ctx.Pipe(duplex=False)
+            child_jobs, jobs = ctx.Pipe(duplex=False)
+            # The job goes through a pipe of its own once the child runs, not with the start: the
+            # start then writes a few bytes, and an app that exits while the job is on its way
+            # leaves a child that ends quietly (a start cut short leaves one that prints spawn's
+            # unpickling traceback).
+            self.process = ctx.Process(target=compile_graphs, args=(child_jobs, child_conn), daemon=True,
+                                       name=COMPILE_PROCESS)
             start_without_ctrl_c(self.process)
         child_conn.close()
         child_jobs.close()
