@@ -10,6 +10,7 @@ is counted where it is reaped."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -42,8 +43,31 @@ def pytest_runtest_protocol(item, nextitem):
                 + "\n")
 
 
+def read_rows(path: str) -> list[dict]:
+    """The lines of a --cpu-times file; a clear exit for a file that is not one."""
+    fix = "pass the file pytest's --cpu-times wrote"
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise SystemExit(f"error: {path}: {exc.strerror}; {fix}")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"error: {path} line {number}: not a JSON line ({exc.msg}); {fix}")
+        if row is None:
+            continue
+        if not isinstance(row, dict) or not {"test", "wall_s", "cpu_s", "children_cpu_s"} <= row.keys():
+            raise SystemExit(f"error: {path} line {number}: not a test's times (test, wall_s, cpu_s, "
+                             f"children_cpu_s); {fix}")
+        rows.append(row)
+    return rows
+
+
 def main(path: str, top: int = 25) -> None:
-    rows = [json.loads(line) for line in open(path)]
+    rows = read_rows(path)
     cost = lambda r: r["cpu_s"] + r["children_cpu_s"]  # noqa: E731
     files = Counter()
     for r in rows:
@@ -60,4 +84,8 @@ def main(path: str, top: int = 25) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m tests.cpu_time FILE (a --cpu-times file)")
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+        sys.stdout.flush()  # here, not at exit, where a closed pipe's error can't be caught
+    except BrokenPipeError:  # the report piped into a command that stopped reading (head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
