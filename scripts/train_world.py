@@ -29,8 +29,8 @@ from owl_wms.maze.training.world import LatentEpisodes, sample_times, train_step
 
 # Flags that change what is trained (not where it is read, written or run), so MODEL.md's
 # recipe repeats the ones a run set away from their defaults.
-RECIPE_FLAGS = ("config", "frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "self_rollout", "distill", "seed", "init",
-                "fp32", "compile", "open_turn_weight", "seconds")
+RECIPE_FLAGS = ("config", "frames", "lr", "ema", "pipeline_frac", "target_frac", "self_history", "self_rollout",
+                "history_noise", "distill", "seed", "init", "fp32", "compile", "open_turn_weight", "seconds")
 
 
 def recipe_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
@@ -92,6 +92,10 @@ def parser() -> argparse.ArgumentParser:
                    help="in every pipeline-shaped sample the last K history frames are the model's own rollout, "
                         "made one after the other with the pipeline's sampler (self-generated history, as in "
                         "Self-Forcing); they are left out of the loss (0: off)")
+    p.add_argument("--history-noise", type=float, default=0.0, metavar="S",
+                   help="every real history frame of a pipeline-shaped sample gets extra Gaussian noise of a std "
+                        "drawn from [0, S) while its level still reads the cache level, and is left out of the "
+                        "loss (noise augmentation of the context, as in GameNGen; 0: off)")
     p.add_argument("--distill", type=int, default=0, metavar="STEPS",
                    help="with --init: step distillation of the sampler's first step; its target is the "
                         "--init model's STEPS-step Euler solve to the next level (0: off)")
@@ -126,8 +130,11 @@ def main(argv=None):
     if args.self_rollout < 0:
         raise SystemExit(f"error: --self-rollout {args.self_rollout} must be a number of history frames (> 0) or 0 "
                          "for off")
-    if (args.self_history or args.self_rollout) and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
-        raise SystemExit(f"error: --self-history and --self-rollout need the history level (pipeline.history_alpha "
+    if not 0 <= args.history_noise <= 4:
+        raise SystemExit(f"error: --history-noise {args.history_noise:g} must be a noise std in [0, 4] (latents have "
+                         "unit std; 0: off)")
+    if (args.self_history or args.self_rollout or args.history_noise) and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
+        raise SystemExit(f"error: --self-history, --self-rollout and --history-noise need the history level (pipeline.history_alpha "
                          f"{world.pipeline.history_alpha}) to be the schedule's cache-write level "
                          f"{world.pipeline.schedule[-2]}; drop them or align the config")
     if args.distill < 0:
@@ -185,7 +192,8 @@ def train(p, args, world, init, data, frames: int, vae_scale: float):
             loss = train_step(model, ema, opt, sched, x.to(args.device), m.to(args.device), b.to(args.device), t, gen,
                               args.ema, bf16=not args.fp32, self_history_share=args.self_history,
                               schedule=tuple(world.pipeline.schedule), teacher=teacher.core if teacher else None,
-                              teacher_steps=args.distill, self_rollout=args.self_rollout)
+                              teacher_steps=args.distill, self_rollout=args.self_rollout,
+                              history_noise=args.history_noise)
             step += 1
             losses.append(loss.item())
             if budget is not None and budget.fit(step, args.steps) is not None:

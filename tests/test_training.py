@@ -687,3 +687,35 @@ def test_shipped_recipe_trains_the_shipped_vae():
         assert commands[0].strip() == f"--steps {steps}"
         if decoder_steps:
             assert "--decoder-only" in commands[1] and f"--steps {decoder_steps.group(1)} " in commands[1]
+
+
+def test_history_noise_corrupts_the_real_history_of_pipeline_samples_and_leaves_it_out_of_the_loss():
+    model, cfg = tiny_world_model()
+    sched = (1.0, 0.25, 0.0)
+    x = torch.randn(2, 5, cfg.channels, 8, 8)
+    m, b = torch.randn(2, 5, 2), (torch.rand(2, 5, 11) > 0.5).float()
+    seen = []
+    core = lambda x_t, *rest: seen.append(x_t) or model.core(x_t, *rest)  # noqa: E731
+    pipeline = sample_times(2, 5, torch.Generator().manual_seed(0), 1.0, 0.25, sched)  # history at the cache level
+    loss = flow_loss(core, x, m, b, pipeline, torch.Generator().manual_seed(1), schedule=sched, history_noise=0.5)
+    plain = flow_loss(core, x, m, b, pipeline, torch.Generator().manual_seed(1), schedule=sched)
+    noisy, clean = seen
+    assert torch.equal(noisy[:, -1], clean[:, -1])  # the frame being made is untouched
+    extra = (noisy[:, :-1] - clean[:, :-1]).flatten(2).std(-1)
+    assert (extra > 0).all() and (extra < 0.5).all()  # a std drawn per frame from [0, 0.5)
+    # only the last frame is scored: its error alone
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        v = model.core(noisy, pipeline, m, b)
+    assert loss.item() == pytest.approx((v[:, -1] - (z - x)[:, -1]).pow(2).mean().item(), rel=1e-5)
+    assert loss.item() != pytest.approx(plain.item(), rel=1e-3)
+    # diffusion forcing's frames are never at the cache level: nothing changes
+    independent = sample_times(2, 5, torch.Generator().manual_seed(0), 0.0, 0.25, sched)
+    assert flow_loss(model.core, x, m, b, independent, torch.Generator().manual_seed(1), schedule=sched,
+                     history_noise=0.5) == flow_loss(model.core, x, m, b, independent,
+                                                     torch.Generator().manual_seed(1), schedule=sched)
+    # off draws nothing extra
+    g0, g1 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    flow_loss(model.core, x, m, b, pipeline, g0, schedule=sched, history_noise=0.0)
+    torch.randn(x.shape, generator=g1)
+    assert torch.equal(g0.get_state(), g1.get_state())

@@ -96,8 +96,13 @@ def sample_times(b: int, n: int, gen: torch.Generator, pipeline_frac: float, alp
 
 def flow_loss(core, x, mouse, buttons, t, gen: torch.Generator, self_history_share: float = 0.0,
               schedule: tuple[float, ...] = (1.0, 0.25, 0.0), teacher=None, teacher_steps: int = 0,
-              self_rollout: int = 0):
+              self_rollout: int = 0, history_noise: float = 0.0):
     """Rectified-flow loss; ``self_history_share`` > 0: see ``own_history`` (0 draws nothing extra);
+    ``history_noise`` S > 0: every real history frame of a pipeline-shaped sample (one held at the
+    cache level) gets extra Gaussian noise of a standard deviation drawn from [0, S) per frame while
+    its noise level still reads the cache level, and is left out of the loss (noise augmentation of
+    the context, as in GameNGen: the history a rollout caches is worse than its level says, so the
+    model learns not to copy its detail; 0 draws nothing extra);
     ``self_rollout`` K > 0: in every pipeline-shaped sample the last K history frames are the
     model's own rollout, made one after the other as the pipeline makes them (Self-Forcing's
     self-generated history; no extra draws); ``teacher``: step distillation of the sampler's
@@ -116,6 +121,12 @@ def flow_loss(core, x, mouse, buttons, t, gen: torch.Generator, self_history_sha
         # a pipeline-shaped sample holds history at exactly the cache level (diffusion forcing's never does)
         pipeline_shaped = (t[:, :-1] == schedule[-2]).any(1, keepdim=True)
         chosen[:, -1 - k:-1] |= pipeline_shaped & (t[:, -1 - k:-1] == schedule[-2])
+    if history_noise > 0:
+        noised = torch.zeros(t.shape, dtype=torch.bool)
+        noised[:, :-1] = (t[:, :-1] == schedule[-2]) & ~chosen[:, :-1]
+        sigma = history_noise * torch.rand(t.shape, generator=gen) * noised
+        x_t = x_t + sigma[:, :, None, None, None].to(x) * torch.randn(x.shape, generator=gen).to(x)
+        keep = keep * (~noised).to(x)
     if chosen.any():
         x_t = own_history(core, x_t, z, t, chosen.to(x.device), mouse.to(x), buttons.to(x), schedule,
                           sequential=self_rollout > 0)
@@ -205,12 +216,13 @@ def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile:
 def train_step(model, ema, opt, sched, x, mouse, buttons, t, gen: torch.Generator, ema_decay: float,
                bf16: bool = True, self_history_share: float = 0.0,
                schedule: tuple[float, ...] = (1.0, 0.25, 0.0), teacher=None, teacher_steps: int = 0,
-               self_rollout: int = 0) -> torch.Tensor:
+               self_rollout: int = 0, history_noise: float = 0.0) -> torch.Tensor:
     """One optimisation step of scripts.train_world (autocast, clipped AdamW, schedule, EMA);
-    the loss, unsynchronised. ``self_history_share``, ``self_rollout``, ``teacher``: see ``flow_loss``."""
+    the loss, unsynchronised. ``self_history_share``, ``self_rollout``, ``teacher``,
+    ``history_noise``: see ``flow_loss``."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
         loss = flow_loss(model.core, x, mouse, buttons, t, gen, self_history_share, schedule, teacher, teacher_steps,
-                         self_rollout)
+                         self_rollout, history_noise)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
