@@ -133,9 +133,10 @@ def main(argv=None):
     if not 0 <= args.history_noise <= 4:
         raise SystemExit(f"error: --history-noise {args.history_noise:g} must be a noise std in [0, 4] (latents have "
                          "unit std; 0: off)")
-    if (args.self_history or args.self_rollout or args.history_noise) and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
-        raise SystemExit(f"error: --self-history, --self-rollout and --history-noise need the history level (pipeline.history_alpha "
-                         f"{world.pipeline.history_alpha}) to be the schedule's cache-write level "
+    own_history = args.self_history or args.self_rollout or args.history_noise
+    if own_history and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
+        raise SystemExit(f"error: --self-history, --self-rollout and --history-noise need the history level "
+                         f"(pipeline.history_alpha {world.pipeline.history_alpha}) to be the schedule's cache-write level "
                          f"{world.pipeline.schedule[-2]}; drop them or align the config")
     if args.distill < 0:
         raise SystemExit(f"error: --distill {args.distill} must be a number of Euler steps (> 0) or 0 for off")

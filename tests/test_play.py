@@ -260,15 +260,17 @@ def test_real_window_under_xvfb_driven_by_xdotool(tmp_path):
                                  "--max-frames", "90"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         xdo = lambda *a: subprocess.run(["xdotool", *a], env=env, capture_output=True, text=True)  # noqa: E731
-        deadline = time.time() + time_limit(120)
-        while time.time() < deadline and not xdo("search", "--classname", "game_cv").stdout.strip():
+        deadline, win = time.time() + time_limit(120), None
+        # the title names the world and KV mode; the window is searched for again each time, since
+        # SDL may replace the first window it maps while the game sets its display up
+        while time.time() < deadline and win is None:
             if game.poll() is not None:
                 pytest.fail(f"game_cv exited ({game.returncode}) before its window opened: {game.communicate()[1]}")
-            time.sleep(0.2)
-        win = xdo("search", "--classname", "game_cv").stdout.split()[0]
-        while time.time() < deadline and "kv static" not in xdo("getwindowname", win).stdout:
+            titled = [w for w in xdo("search", "--classname", "game_cv").stdout.split()
+                      if "kv static" in xdo("getwindowname", w).stdout]
+            win = titled[0] if titled else None
             time.sleep(0.1)
-        assert "kv static" in xdo("getwindowname", win).stdout  # the title names the world and KV mode
+        assert win is not None, "no game_cv window titled with its KV mode ('kv static') appeared"
         xdo("mousemove", "--window", win, "128", "128")  # no window manager: focus follows the pointer
         xdo("windowfocus", win)
         xdo("keydown", "w")
