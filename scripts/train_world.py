@@ -133,8 +133,8 @@ def main(argv=None):
     if not 0 <= args.history_noise <= 4:
         raise SystemExit(f"error: --history-noise {args.history_noise:g} must be a noise std in [0, 4] (latents have "
                          "unit std; 0: off)")
-    own_history = args.self_history or args.self_rollout or args.history_noise
-    if own_history and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
+    reshapes_history = args.self_history or args.self_rollout or args.history_noise
+    if reshapes_history and world.pipeline.history_alpha != world.pipeline.schedule[-2]:
         raise SystemExit(f"error: --self-history, --self-rollout and --history-noise need the history level "
                          f"(pipeline.history_alpha {world.pipeline.history_alpha}) to be the schedule's cache-write level "
                          f"{world.pipeline.schedule[-2]}; drop them or align the config")
