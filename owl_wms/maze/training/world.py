@@ -113,17 +113,16 @@ def flow_loss(core, x, mouse, buttons, t, gen: torch.Generator, self_history_sha
     target = z - x
     keep = torch.ones(t.shape, device=x.device)
     chosen = torch.zeros(t.shape, dtype=torch.bool)
+    # history frames held at exactly the cache level: a pipeline-shaped sample's (diffusion forcing's never are)
+    held = torch.zeros(t.shape, dtype=torch.bool)
+    held[:, :-1] = t[:, :-1] == schedule[-2]
     if self_history_share > 0:
-        chosen[:, :-1] = (t[:, :-1] == schedule[-2]) & (torch.rand(t.shape[0], t.shape[1] - 1, generator=gen)
-                                                        < self_history_share)
+        chosen[:, :-1] = held[:, :-1] & (torch.rand(t.shape[0], t.shape[1] - 1, generator=gen) < self_history_share)
     if self_rollout > 0:
         k = min(self_rollout, t.shape[1] - 1)
-        # a pipeline-shaped sample holds history at exactly the cache level (diffusion forcing's never does)
-        pipeline_shaped = (t[:, :-1] == schedule[-2]).any(1, keepdim=True)
-        chosen[:, -1 - k:-1] |= pipeline_shaped & (t[:, -1 - k:-1] == schedule[-2])
+        chosen[:, -1 - k:-1] |= held.any(1, keepdim=True) & held[:, -1 - k:-1]
     if history_noise > 0:
-        noised = torch.zeros(t.shape, dtype=torch.bool)
-        noised[:, :-1] = (t[:, :-1] == schedule[-2]) & ~chosen[:, :-1]
+        noised = held & ~chosen
         sigma = history_noise * torch.rand(t.shape, generator=gen) * noised
         x_t = x_t + sigma[:, :, None, None, None].to(x) * torch.randn(x.shape, generator=gen).to(x)
         keep = keep * (~noised).to(x)
