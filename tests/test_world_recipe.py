@@ -181,3 +181,15 @@ def test_a_stage_stopped_by_a_signal_ends_the_piece_and_the_next_run_goes_on(tmp
     rows = [ln.split("\t") for ln in (tmp_path / "times.tsv").read_text().splitlines()]
     assert [r[0] for r in rows if r[0].startswith("# piece") and r[0].endswith("took")] == ["# piece 1 took", "# piece 2 took"]
     assert [(r[0], r[2], r[3:]) for r in rows[3:] if r[0] == "train"] == [("train", "1", ["stopped"]), ("train", "2", [])]
+
+
+@pytest.mark.parametrize("frames", [48, 64])
+def test_the_longer_window_configs_hold_the_shipped_model(frames):
+    """configs/maze_world_d128_wN.yaml: the shipped world's model (so --init fine-tunes it) with an
+    N-frame window, which sets the training clip and the pipeline's history alike."""
+    from owl_wms.config import load_config
+
+    shipped = load_config(REPO / "checkpoints" / "maze-world" / "config.yaml")
+    longer = load_config(REPO / "configs" / f"maze_world_d128_w{frames}.yaml")
+    assert longer.model == shipped.model and longer.pipeline.window_frames == frames
+    assert load_config(REPO / "configs" / "maze_world_d128.yaml").pipeline.window_frames == 32
