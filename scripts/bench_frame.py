@@ -265,27 +265,30 @@ def overhead_share(path, frames: int, device) -> float:
 
 def op_shares(step, steps: int, device: str) -> dict[str, float | None]:
     """Shares of the wall time of ``steps`` calls of ``step`` spent in attention (SDPA, or the
-    batched matmuls of the ring's matmul kernel: bmm, which only attention calls) and in the
-    linear layers' matmuls (addmm, mm): the self times of those ATen ops (called eagerly or from a
-    compiled graph's wrapper; Inductor's own kernels fused around them, such as the matmul
-    kernel's softmax, are not counted), from torch.profiler. On a GPU the host's times say
-    nothing of the kernels': None there."""
+    batched matmuls of the ring's matmul kernel: bmm, which only attention calls), in the
+    linear layers' matmuls (addmm, mm), and in the compiled kernels that hold the matmul kernel's
+    softmax (Inductor fuses it with the mask, and one of them with a ring write): the self times
+    of those ATen ops (called eagerly or from a compiled graph's wrapper) and kernels, from
+    torch.profiler. On a GPU the host's times say nothing of the kernels': None there."""
     from torch.profiler import ProfilerActivity, profile
 
     if device != "cpu":
-        return {"attention_share": None, "matmul_share": None}
+        return {"attention_share": None, "matmul_share": None, "softmax_share": None}
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
     wall = time.perf_counter() - t0
-    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "aoti_torch_"))]
+    events = prof.key_averages()
+    ops = [e for e in events if e.key.startswith(("aten::", "aoti_torch_"))]
+    kernels = [e for e in events if "_cpp_fused_" in e.key]  # named so by inductor.cpp.enable_kernel_profile
 
-    def share(*names):
-        return sum(e.self_cpu_time_total for e in ops if any(n in e.key for n in names)) / 1e6 / wall
+    def share(*names, among=ops):
+        return sum(e.self_cpu_time_total for e in among if any(n in e.key for n in names)) / 1e6 / wall
 
     return {"attention_share": share("scaled_dot_product", "bmm"),
-            "matmul_share": share("addmm", "aoti_torch_cpu_mm_out", "aten::mm")}
+            "matmul_share": share("addmm", "aoti_torch_cpu_mm_out", "aten::mm"),
+            "softmax_share": share("_softmax", among=kernels)}
 
 
 def run_model(label, model, decoder, world, args, classes) -> list[dict]:
@@ -429,13 +432,16 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
     what = "a step: denoise + decode" if decoder is not None else "a step: denoise only"
     print(f"batched sessions, compiled whole, int8 in-place, {args.dtype[0]}, {settings.ring_attention} ring ({what}):")
     print(f"{'sessions':>9} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} {'session-frames/s':>17} "
-          f"{'x one session':>14} {'x (denoise)':>12} {'faults/step':>12} {'attention':>10} {'matmuls':>8}")
+          f"{'x one session':>14} {'x (denoise)':>12} {'faults/step':>12} {'attention':>10} {'softmax':>8} "
+          f"{'matmuls':>8}")
     for r in rows:
         print(f"{r['sessions']:>9} {r['denoise_ms']:>11.2f} {r['step_ms']:>9.2f} {r['session_frame_ms']:>17.2f} "
               f"{r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} {r['x_one_session_denoise']:>12.2f} "
               f"{r['page_faults_per_step']:>12.0f} "
-              + (f"{r['attention_share']:>10.0%} {r['matmul_share']:>8.0%}" if r["attention_share"] is not None else ""))
-    print("(attention, matmuls: their shares of a step's denoising under torch.profiler)")
+              + (f"{r['attention_share']:>10.0%} {r['softmax_share']:>8.0%} {r['matmul_share']:>8.0%}"
+                 if r["attention_share"] is not None else ""))
+    print("(attention: SDPA or the ring's batched matmuls; softmax: the compiled kernels holding the matmul "
+          "ring's softmax; matmuls: the linear layers'; each a share of a step's denoising under torch.profiler)")
     return rows
 
 
