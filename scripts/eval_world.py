@@ -81,6 +81,9 @@ def main(argv=None):
     p.add_argument("--seed-offset", type=int, default=0)
     p.add_argument("--frames", type=int, default=64, help="autoregressive frames per episode")
     p.add_argument("--tf-frames", type=int, default=32, help="teacher-forced frames per episode")
+    p.add_argument("--start", type=int, default=None,
+                   help="score each level from this frame on (default: the world's window; a later one scores "
+                        "worlds with different windows on the same frames)")
     p.add_argument("--gap-range", type=int, nargs=2, default=(5, 32), help="frame indices (1-based) of the gap")
     p.add_argument("--turn-dx", type=float, default=6.0,
                    help="mouse x of the held turns (each way) in the turn-following diagnostic")
@@ -115,7 +118,11 @@ def main(argv=None):
     seeds = [HELD_OUT_SEED + args.seed_offset + i for i in range(args.episodes)]
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
-    eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy) for s in tqdm(seeds, desc="episodes", unit="ep")]
+    if args.start is not None and args.start < pipe.window:
+        p.error(f"--start {args.start}: must be at least the world's window, {pipe.window} frames (the history "
+                f"the pipeline loads)")
+    eps = [Episode(pipe, s, max(n_ar, args.tf_frames), args.policy, args.start)
+           for s in tqdm(seeds, desc="episodes", unit="ep")]
     ar, tf, other, response, euler, sim, turns, sheet, turn_sheet = [], [], [], [], [], [], [], [], []
     rest, nudged = [], []
     scripted = {name: [] for name in SCRIPTS}
@@ -128,7 +135,7 @@ def main(argv=None):
         if i < args.sheet_episodes:  # the sheet's teacher-forced row spans the rollout's frames
             forced = []
             tf.append(teacher_forced(pipe, ep, max(n_ar, args.tf_frames), frames=forced)[:args.tf_frames])
-            sheet.append((ep.frames[ep.window:ep.window + n_ar], np.stack(forced[:n_ar]), np.stack(predicted)))
+            sheet.append((ep.frames[ep.start:ep.start + n_ar], np.stack(forced[:n_ar]), np.stack(predicted)))
         else:
             tf.append(teacher_forced(pipe, ep, args.tf_frames))
         other.append(autoregressive(pipe, ep, hi, actions=foreign))
@@ -191,7 +198,7 @@ def main(argv=None):
         # the simulator, and the model's one step from the simulator's frames (teacher-forced), over
         # all frames and split by whether the turn was made in the open or facing a near wall
         **turn_following_summary(turns),
-        "turn_dx": args.turn_dx, "turn_frames": args.turn_frames,
+        "turn_dx": args.turn_dx, "turn_frames": args.turn_frames, "start": eps[0].start,
         # walking forward from the real history with the mouse at rest, exactly (0, 0), as scripts and a
         # resting player send it, and barely moving: a world that never saw a mouse at rest does worse
         **({"rest_walk_psnr": float(np.mean(rest)), "nudged_walk_psnr": float(np.mean(nudged)),

@@ -73,7 +73,7 @@ def main(argv=None):
                                            settings=with_threads(resolve_settings(world.inference)))
     seed = HELD_OUT_SEED + args.seed_offset
     ep = Episode(base, seed, args.frames)
-    real = ep.frames[ep.window:]
+    real = ep.frames[ep.start:]
     rows, frames = [], {}
     for name in names:
         env = VARIANTS[name]

@@ -108,16 +108,22 @@ def test_eval_command_on_two_short_episodes(tmp_path, fp32):
     assert report["walk_and_turn_sharpness_min"] == report["walk_and_turn"]["sharpness_ratio_min"]
 
 
-def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32):
-    """--schedule replaces the checkpoint's sampler (recorded in the report); a bad one is refused."""
+def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32, capsys):
+    """--schedule replaces the checkpoint's sampler (recorded in the report); a bad one is refused.
+    --start scores later frames (recorded), never earlier than the world's window."""
     from scripts import eval_world
 
     short = ["--episodes", "1", "--frames", "2", "--tf-frames", "2", "--gap-range", "1", "2", "--turn-frames", "2",
              "--sheet-episodes", "0", "--script-frames", "2"]
     eval_world.main(short + ["--out", str(tmp_path / "two")])
-    eval_world.main(short + ["--schedule", "1", "0.5", "0.25", "0", "--rest-frames", "0", "--out", str(tmp_path / "three")])
+    eval_world.main(short + ["--schedule", "1", "0.5", "0.25", "0", "--rest-frames", "0", "--start", "40",
+                             "--out", str(tmp_path / "three")])
     two, three = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("two", "three"))
     assert two["schedule"] == [1.0, 0.25, 0.0] and three["schedule"] == [1.0, 0.5, 0.25, 0.0]
+    assert two["start"] == 32 and three["start"] == 40  # the shipped world's window, then --start
+    with pytest.raises(SystemExit):
+        eval_world.main(short + ["--start", "31", "--out", str(tmp_path / "early")])
+    assert "--start 31: must be at least the world's window, 32 frames" in capsys.readouterr().err
     # --rest-frames 0 skips the at-rest diagnostic (it used to report NaN); a negative count is refused
     assert "rest_walk_psnr" in two and "rest_walk_psnr" not in three
     with pytest.raises(SystemExit):
@@ -157,6 +163,24 @@ def test_action_response_isolates_the_actions():
     assert copy_previous(a, 3)[1] == frame_metrics(real[0], real[1])
 
 
+def test_an_episode_scored_from_a_later_frame_is_the_same_level_further_on():
+    """``start``: the same level's frames, scored from a later one, after a longer history of
+    which the pipeline loads its window; no earlier than the window."""
+    from inference.causvid_pipeline import CausvidPipeline
+    from owl_wms.maze.data import HELD_OUT_SEED
+    from owl_wms.maze.evaluation import Episode, replay
+
+    pipe = CausvidPipeline.from_checkpoint(clip=None, verbose=False)
+    usual, later = Episode(pipe, HELD_OUT_SEED, 8), Episode(pipe, HELD_OUT_SEED, 3, start=pipe.window + 5)
+    assert usual.start == pipe.window and later.start == pipe.window + 5 == later.clip.history_frames
+    for k in range(3):
+        assert np.array_equal(later.future(k)[0], usual.future(k + 5)[0])
+        assert torch.equal(later.future(k)[1], usual.future(k + 5)[1])
+    assert np.array_equal(replay(later, later.start).render(), later.frames[later.start - 1])
+    with pytest.raises(ValueError, match=f"start at frame {pipe.window} or later"):
+        Episode(pipe, HELD_OUT_SEED, 3, start=pipe.window - 1)
+
+
 def test_simulator_responses_branch_from_the_real_states():
     """The replay reaches the episode's real frames; the episode's own actions as the 'foreign'
     ones reproduce every real frame (infinite PSNR), another episode's do not."""
@@ -166,7 +190,7 @@ def test_simulator_responses_branch_from_the_real_states():
 
     pipe = CausvidPipeline.from_checkpoint(clip=None, verbose=False)
     a, b = Episode(pipe, HELD_OUT_SEED, 6), Episode(pipe, HELD_OUT_SEED + 1, 6)
-    assert np.array_equal(replay(a, a.window + 6).render(), a.frames[a.window + 5])
+    assert np.array_equal(replay(a, a.start + 6).render(), a.frames[a.start + 5])
     own = simulator_responses(a, a, 6, (2, 6))
     assert all(np.isinf(x) for x in own["foreign_action"]) and np.isinf(own["foreign_rollout"])
     other = simulator_responses(a, b, 6, (2, 6))

@@ -75,15 +75,22 @@ def standard_error(values) -> float:
 
 
 class Episode:
-    """A held-out simulator episode: real frames and actions, history encoded once."""
+    """A held-out simulator episode: real frames and actions, history encoded once. The scored
+    frames begin at frame ``start`` of the level (default: the pipeline's window), after a history
+    of which the pipeline loads the last window, so worlds with different windows can be scored on
+    the same frames."""
 
-    def __init__(self, pipe, seed: int, frames: int, style: str = "explore"):
-        self.seed, self.window, self.sim_config = seed, pipe.window, pipeline_sim_config(pipe)
-        self.clip, self.frames = level_clip(pipe.decoder, seed, pipe.window, frames, self.sim_config,
+    def __init__(self, pipe, seed: int, frames: int, style: str = "explore", start: int | None = None):
+        start = pipe.window if start is None else start
+        if start < pipe.window:
+            raise ValueError(f"an episode scored from frame {start} has fewer history frames than the world's "
+                             f"window of {pipe.window}; start at frame {pipe.window} or later")
+        self.seed, self.start, self.sim_config = seed, start, pipeline_sim_config(pipe)
+        self.clip, self.frames = level_clip(pipe.decoder, seed, start, frames, self.sim_config,
                                             name=f"eval-{seed}", style=style)
 
     def future(self, k: int):
-        i = self.window + k
+        i = self.start + k
         return self.frames[i], self.clip.mouse[i], self.clip.buttons[i]
 
 
@@ -108,7 +115,7 @@ def scripted_rollout(pipe, ep: Episode, actions: list, frames: list | None = Non
     ``inference.actions`` scripts them) from the episode's real history, against the simulator
     playing them from the same state; ``frames``, when given, receives (simulator's, model's)
     frames [n, H, W, 3]."""
-    sim = replay(ep, ep.window)
+    sim = replay(ep, ep.start)
     pipe.load_clip(ep.clip)
     real, made = [], []
     for mouse, buttons in actions:
@@ -167,7 +174,7 @@ def teacher_forced(pipe, ep: Episode, n: int, frames: list | None = None) -> lis
 
 def copy_previous(ep: Episode, n: int) -> list[tuple[float, float]]:
     """Metrics of predicting each next frame as the last real one (no model)."""
-    return [frame_metrics(ep.frames[ep.window + k - 1], ep.future(k)[0]) for k in range(n)]
+    return [frame_metrics(ep.frames[ep.start + k - 1], ep.future(k)[0]) for k in range(n)]
 
 
 def action_response(pipe, ep: Episode, other: Episode, n: int) -> list[float]:
@@ -225,12 +232,12 @@ def simulator_responses(ep: Episode, other: Episode, n: int, gap: tuple[int, int
     - ``foreign_rollout``: PSNR to the real frames of the simulator following ``other``'s
       actions from the end of the history, mean over frame indices ``gap`` (1-based): what a
       model that follows the controls perfectly scores there with foreign actions."""
-    sim = replay(ep, ep.window)
+    sim = replay(ep, ep.start)
     start = copy.deepcopy(sim)
     prev, foreign = [], []
     for k in range(n):
         real, m, b = ep.future(k)
-        for out, (am, ab) in ((prev, (ep.clip.mouse[ep.window + k - 1], ep.clip.buttons[ep.window + k - 1])),
+        for out, (am, ab) in ((prev, (ep.clip.mouse[ep.start + k - 1], ep.clip.buttons[ep.start + k - 1])),
                               (foreign, other.future(k)[1:])):
             out.append(frame_metrics(copy.deepcopy(sim).step(am.tolist(), ab.tolist()), real)[0])
         sim.step(m.tolist(), b.tolist())
@@ -255,7 +262,7 @@ def held_controls_psnr(pipe, ep: Episode, mouse: list[float], buttons: list[floa
     """PSNR against the simulator of the model's frames over ``n`` frames of holding the same
     controls from the episode's real history: how a scripted walk (idle, forward, walk_turn)
     starts. With the mouse exactly at rest, (0, 0), it asks for the input a player at rest sends."""
-    sim = replay(ep, ep.window)
+    sim = replay(ep, ep.start)
     pipe.load_clip(ep.clip)
     return [frame_metrics(pipe(mouse, buttons)[0].numpy(), sim.step(mouse, buttons))[0] for _ in range(n)]
 
@@ -271,13 +278,13 @@ def turn_following(pipe, ep: Episode, dx: float, n: int, frames: list | None = N
     the view turns). ``frames``, when given, receives (simulator's, teacher-forced,
     autoregressive) frames [n, H, W, 3] after the last real one."""
     mouse, buttons = [float(dx), 0.0], [1.0] + [0.0] * 10
-    sim = replay(ep, ep.window)
-    real, is_open = [ep.frames[ep.window - 1]], []
+    sim = replay(ep, ep.start)
+    real, is_open = [ep.frames[ep.start - 1]], []
     for _ in range(n):
         is_open.append(wall_ahead(sim) >= OPEN_WALL)
         real.append(sim.step(mouse, buttons))
     pipe.load_clip(ep.clip)
-    made = [ep.frames[ep.window - 1]] + [pipe(mouse, buttons)[0].numpy() for _ in range(n)]
+    made = [ep.frames[ep.start - 1]] + [pipe(mouse, buttons)[0].numpy() for _ in range(n)]
     pipe.load_clip(ep.clip)
     forced = []
     for frame in real[1:]:
