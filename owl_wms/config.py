@@ -5,6 +5,10 @@ A config file has the original sections (``model:``, ``train:`` with ``vae_scale
 trained on our maze: the ``SimConfig`` fields its episodes were made with, which fresh levels,
 clips and the evaluation must use too). Relative paths in
 ``pipeline.clips`` and ``decoder.path`` are resolved against the config file's folder.
+
+A config may name another as its ``base:`` (a path relative to itself) and give only what differs:
+its sections are merged over the base's, key by key (a list is replaced whole). A checkpoint's
+config.yaml is written merged, so a checkpoint folder never depends on a file outside it.
 """
 from __future__ import annotations
 
@@ -279,16 +283,50 @@ def load_world(checkpoint: str | Path) -> WorldConfig:
     return load_config(checkpoint / "config.yaml" if checkpoint.is_dir() else checkpoint)
 
 
-def load_config(path: str | Path) -> WorldConfig:
+MAX_BASE_DEPTH = 8
+
+
+def read_config(path: str | Path, _chain: tuple[Path, ...] = ()) -> DictConfig:
+    """A config file's raw sections, merged over its ``base:`` chain."""
     path = Path(path)
     if not path.is_file():
+        if _chain:
+            raise ConfigError(f"config file {str(_chain[-1])!r}: base: {str(path)!r} does not exist; name a config "
+                              f"file relative to {str(_chain[-1])!r}'s folder")
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML config "
                           "(for example checkpoints/<world>/config.yaml)")
     try:
         raw = OmegaConf.load(path)
     except Exception as exc:  # omegaconf raises several yaml/parse error types
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, DictConfig) or "model" not in raw:
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"config file {str(path)!r} has no 'model:' section")
+    if "base" not in raw:
+        return raw
+    base = raw.get("base")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config file {str(path)!r}: base={base!r} must name a config file, relative to this one")
+    base_path = path.parent / base
+    chain = (*_chain, path)
+    if any(base_path.resolve() == seen.resolve() for seen in chain):
+        raise ConfigError(f"config file {str(path)!r}: base: {base} leads back to itself "
+                          f"({' -> '.join(str(p) for p in (*chain, base_path))}); break the loop")
+    if len(chain) > MAX_BASE_DEPTH:
+        raise ConfigError(f"config file {str(path)!r}: more than {MAX_BASE_DEPTH} bases deep; "
+                          "write the settings into a nearer base")
+    under = read_config(base_path, chain)
+    try:
+        return OmegaConf.merge(under, OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "base"]))
+    except (OmegaConfBaseException, TypeError) as exc:  # e.g. a list over a mapping of the base
+        raise ConfigError(f"config file {str(path)!r} cannot be merged over its base {str(base_path)!r}: "
+                          f"{str(exc).splitlines()[0]}; give each section the kind (a mapping, a list) "
+                          "it has in the base") from None
+
+
+def load_config(path: str | Path) -> WorldConfig:
+    path = Path(path)
+    raw = read_config(path)
+    if "model" not in raw:
         raise ConfigError(f"config file {str(path)!r} has no 'model:' section")
     try:
         return _parse_world(raw, path)

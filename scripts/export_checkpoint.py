@@ -22,7 +22,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from omegaconf import OmegaConf
 
-from owl_wms.config import load_config
+from owl_wms.config import load_config, read_config
 from owl_wms.loading import CheckpointError, load_weights
 from owl_wms.maze.data import EPISODE_OPTIONS, OPEN_WALL, episode_options, level_clip
 from owl_wms.maze.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD
@@ -233,7 +233,7 @@ def main(argv=None):
         raise SystemExit(f"error: the latents in {args.latents} were encoded from episodes made with {episodes}, but "
                          f"{data_dir} holds episodes made with {episode_options(manifest)}; pass the --data they came from")
     args.config = args.config or train.get("config", DEFAULT_WORLD_CONFIG)
-    raw = OmegaConf.load(args.config)
+    raw = read_config(args.config)  # merged over its base: the checkpoint's config stands alone
     # the scale the model was trained with: the latents' own, or a fine-tune's --init world's
     raw.train.vae_scale = train.get("vae_scale", stats["vae_scale"])
     # the simulator the episodes came from, so fresh levels, clips and the evaluation match them

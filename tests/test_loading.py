@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -107,6 +109,59 @@ def test_config_errors_are_specific(tmp_path):
     (tmp_path / "b.yaml").write_text(text.replace("schedule: [1.0, 0.25, 0.0]", "schedule: [1.0, 0.5]"))
     with pytest.raises(ConfigError, match="schedule"):
         load_config(tmp_path / "b.yaml")
+
+
+def test_a_config_gives_only_what_differs_from_its_base(tmp_path):
+    """``base:`` names a config relative to this one; sections merge key by key, a list is replaced whole,
+    and a chain of bases merges in order."""
+    from owl_wms.config import load_config
+
+    tiny = load_config(REPO / "configs" / "untrained_tiny.yaml")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "base.yaml").write_text((REPO / "configs" / "untrained_tiny.yaml").read_text())
+    (tmp_path / "sub" / "wide.yaml").write_text("base: ../base.yaml\nmodel:\n  n_heads: 4\n  d_model: 256\n"
+                                                "pipeline:\n  schedule: [1.0, 0.5, 0.0]\n")
+    (tmp_path / "sub" / "long.yaml").write_text("base: wide.yaml\npipeline:\n  window_frames: 48\n")
+    wide, long = load_config(tmp_path / "sub" / "wide.yaml"), load_config(tmp_path / "sub" / "long.yaml")
+    assert (wide.model.d_model, wide.model.n_heads, wide.model.n_layers) == (256, 4, tiny.model.n_layers)
+    assert wide.pipeline.schedule == (1.0, 0.5, 0.0) and wide.pipeline.window_frames == tiny.pipeline.window_frames
+    assert long.model == wide.model and long.pipeline.schedule == (1.0, 0.5, 0.0) and long.pipeline.window_frames == 48
+    assert long.name == tiny.name and long.decoder == tiny.decoder
+    # paths in the merged config are the loaded file's, as for any config
+    assert long.resolve("clips") == tmp_path / "sub" / "clips"
+    # shipped configs: the longer-window worlds are the shipped world's file with one key changed
+    shipped = load_config(REPO / "configs" / "maze_world_d128.yaml")
+    smooth = load_config(REPO / "configs" / "maze_world_d128_smooth.yaml")
+    assert smooth.model == dataclasses.replace(shipped.model, mouse_embed="smooth") and smooth.pipeline == shipped.pipeline
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base: missing.yaml\n", r"'.*loop.yaml': base: '.*missing.yaml' does not exist; name a config file relative to"),
+    ("base: 3\n", r"base=3 must name a config file, relative to this one"),
+    ("base: loop.yaml\n", r"base: loop.yaml leads back to itself \(.*loop.yaml -> .*loop.yaml\); break the loop"),
+    ("base: other.yaml\n", r"base: loop.yaml leads back to itself \(.*loop.yaml -> .*other.yaml -> .*loop.yaml\)"),
+    ("base: tiny.yaml\nmodel: [1]\n", r"'.*loop.yaml' cannot be merged over its base '.*tiny.yaml'"),
+    ("base: tiny.yaml\nmodel:\n  d_model: wide\n", r"d_model"),
+])
+def test_a_bad_base_is_named_with_the_fix(tmp_path, text, message):
+    from owl_wms.config import ConfigError, load_config
+
+    (tmp_path / "tiny.yaml").write_text((REPO / "configs" / "untrained_tiny.yaml").read_text())
+    (tmp_path / "other.yaml").write_text("base: loop.yaml\n")
+    (tmp_path / "loop.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / "loop.yaml")
+
+
+def test_a_deep_chain_of_bases_is_refused(tmp_path):
+    from owl_wms.config import MAX_BASE_DEPTH, ConfigError, load_config
+
+    (tmp_path / "c0.yaml").write_text((REPO / "configs" / "untrained_tiny.yaml").read_text())
+    for i in range(1, MAX_BASE_DEPTH + 2):
+        (tmp_path / f"c{i}.yaml").write_text(f"base: c{i - 1}.yaml\n")
+    assert load_config(tmp_path / f"c{MAX_BASE_DEPTH}.yaml").name == "untrained-tiny"
+    with pytest.raises(ConfigError, match=rf"more than {MAX_BASE_DEPTH} bases deep"):
+        load_config(tmp_path / f"c{MAX_BASE_DEPTH + 1}.yaml")
 
 
 def test_simulator_section_is_checked_and_sizes_come_from_the_decoder(tmp_path):

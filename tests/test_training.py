@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from owl_wms.config import load_config
 from owl_wms.model import GameRFT
@@ -66,10 +67,8 @@ def test_a_signal_stops_training_at_a_step_that_the_next_run_resumes_exactly(cha
     from owl_wms.maze.training import STOPPED
     from scripts import train_vae, train_world
 
-    text = (REPO / "configs" / "maze_world.yaml").read_text()
-    text = text.replace("n_layers: 8", "n_layers: 1").replace("d_model: 256", "d_model: 64") \
-               .replace("n_heads: 4", "n_heads: 1").replace("window_frames: 32", "window_frames: 4")
-    (tmp_path / "tiny.yaml").write_text(text)
+    (tmp_path / "tiny.yaml").write_text(f"base: {REPO / 'configs' / 'maze_world.yaml'}\n"
+                                        "model: {n_layers: 1, d_model: 64, n_heads: 1}\npipeline: {window_frames: 4}\n")
 
     def world(out):
         return ["--config", str(tmp_path / "tiny.yaml"), "--latents", str(chain / "latents"), "--out", str(out),
@@ -190,10 +189,8 @@ def test_a_missing_autoencoder_folder_is_named_with_the_fix(chain, tmp_path):
 def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypatch):
     from scripts import train_world
 
-    text = (REPO / "configs" / "maze_world.yaml").read_text()
-    text = text.replace("n_layers: 8", "n_layers: 2").replace("d_model: 256", "d_model: 128") \
-               .replace("n_heads: 4", "n_heads: 2").replace("window_frames: 32", "window_frames: 6")
-    (tmp_path / "tiny.yaml").write_text(text)
+    (tmp_path / "tiny.yaml").write_text(f"base: {REPO / 'configs' / 'maze_world.yaml'}\n"
+                                        "model: {n_layers: 2, d_model: 128, n_heads: 2}\npipeline: {window_frames: 6}\n")
     common = ["--config", str(tmp_path / "tiny.yaml"), "--latents", str(chain / "latents"), "--out",
               str(tmp_path / "world"), "--batch", "2", "--save-every", "2"]
     train_world.main(common + ["--steps", "2"])
@@ -253,6 +250,13 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     with pytest.raises(SystemExit, match=r"were encoded from episodes made with \{'policy': 'explore', 'corridor': 1, 'look': 'brick'\}"):
         export_checkpoint.main([*export[:-6], "--data", str(tmp_path / "other"), "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+    # a config over a base is written merged: the checkpoint's config.yaml stands alone
+    (tmp_path / "based.yaml").write_text("base: tiny.yaml\nworld:\n  name: based-tiny\n")
+    export_checkpoint.main(["--config", str(tmp_path / "based.yaml"), *export[2:-6], "--out", str(tmp_path / "y")])
+    assert "base" not in OmegaConf.load(tmp_path / "y" / "config.yaml")
+    (tmp_path / "based.yaml").unlink()
+    based = load_config(tmp_path / "y" / "config.yaml")
+    assert based.name == "based-tiny" and based.model == load_config(tmp_path / "ckpt" / "config.yaml").model
     vae_record = (chain / "vae" / "final" / "metrics.json").read_text()
     assert f"python -m scripts.train_vae --steps {json.loads(vae_record)['steps']} " in card  # the recipe makes this VAE
     # the VAE's training record travels with it, so the checkpoint's vae/ can be a later --vae,
