@@ -7,8 +7,9 @@ clips and the evaluation must use too). Relative paths in
 ``pipeline.clips`` and ``decoder.path`` are resolved against the config file's folder.
 
 A config may name another as its ``base:`` (a path relative to itself) and give only what differs:
-its sections are merged over the base's, key by key (a list is replaced whole). A checkpoint's
-config.yaml is written merged, so a checkpoint folder never depends on a file outside it.
+its sections are merged over the base's, key by key (a list is replaced whole), and relative
+paths resolve against the file loaded, not the base. A checkpoint's config.yaml is written merged
+and resolved, so a checkpoint folder never depends on a file outside it.
 """
 from __future__ import annotations
 
@@ -289,27 +290,40 @@ MAX_BASE_DEPTH = 8
 def read_config(path: str | Path, _chain: tuple[Path, ...] = ()) -> DictConfig:
     """A config file's raw sections, merged over its ``base:`` chain."""
     path = Path(path)
-    if not path.is_file():
+    named_by = f"config file {str(_chain[-1])!r}: base: {str(path)!r}" if _chain else f"config file {str(path)!r}"
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+        raise ConfigError(f"{named_by} cannot be read ({exc}); name a YAML config file") from None
+    if not is_file:
+        what = "is a folder, not a config file" if is_dir else "does not exist"
         if _chain:
-            raise ConfigError(f"config file {str(_chain[-1])!r}: base: {str(path)!r} does not exist; name a config "
-                              f"file relative to {str(_chain[-1])!r}'s folder")
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML config "
+            raise ConfigError(f"{named_by} {what}; name a config file relative to {str(_chain[-1])!r}'s folder")
+        raise ConfigError(f"{named_by} {what}; pass the path of a YAML config "
                           "(for example checkpoints/<world>/config.yaml)")
     try:
         raw = OmegaConf.load(path)
     except Exception as exc:  # omegaconf raises several yaml/parse error types
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
     if not isinstance(raw, DictConfig):
+        if _chain:
+            raise ConfigError(f"{named_by} is not a mapping of sections (model:, pipeline:, ...); name a world config")
         raise ConfigError(f"config file {str(path)!r} has no 'model:' section")
     if "base" not in raw:
         return raw
-    base = raw.get("base")
-    if not isinstance(base, str) or not base:
-        raise ConfigError(f"config file {str(path)!r}: base={base!r} must name a config file, relative to this one")
+    base = OmegaConf.to_container(raw, resolve=False)["base"]  # as written: an interpolation is not followed
+    if not isinstance(base, str) or not base or "${" in base:
+        raise ConfigError(f"config file {str(path)!r}: base={base!r} must name a config file, relative to this one "
+                          "(a plain path, not an interpolation)")
     base_path = path.parent / base
     chain = (*_chain, path)
-    if any(base_path.resolve() == seen.resolve() for seen in chain):
-        raise ConfigError(f"config file {str(path)!r}: base: {base} leads back to itself "
+    try:
+        looped = any(base_path.resolve() == seen.resolve() for seen in chain)
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a name too long, a NUL byte
+        raise ConfigError(f"config file {str(path)!r}: base {base!r} cannot be followed ({exc}); "
+                          "name a config file relative to this one") from None
+    if looped:
+        raise ConfigError(f"config file {str(path)!r}: base {base!r} leads back to itself "
                           f"({' -> '.join(str(p) for p in (*chain, base_path))}); break the loop")
     if len(chain) > MAX_BASE_DEPTH:
         raise ConfigError(f"config file {str(path)!r}: more than {MAX_BASE_DEPTH} bases deep; "

@@ -22,7 +22,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from omegaconf import OmegaConf
 
-from owl_wms.config import load_config, read_config
+from owl_wms.config import ConfigError, load_config, read_config
 from owl_wms.loading import CheckpointError, load_weights
 from owl_wms.maze.data import EPISODE_OPTIONS, OPEN_WALL, episode_options, level_clip
 from owl_wms.maze.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD
@@ -233,7 +233,10 @@ def main(argv=None):
         raise SystemExit(f"error: the latents in {args.latents} were encoded from episodes made with {episodes}, but "
                          f"{data_dir} holds episodes made with {episode_options(manifest)}; pass the --data they came from")
     args.config = args.config or train.get("config", DEFAULT_WORLD_CONFIG)
-    raw = read_config(args.config)  # merged over its base: the checkpoint's config stands alone
+    try:  # merged over its base and checked: the checkpoint's config stands alone
+        raw, model = read_config(args.config), load_config(args.config).model
+    except ConfigError as exc:
+        raise SystemExit(f"error: --config: {exc}") from None
     # the scale the model was trained with: the latents' own, or a fine-tune's --init world's
     raw.train.vae_scale = train.get("vae_scale", stats["vae_scale"])
     # the simulator the episodes came from, so fresh levels, clips and the evaluation match them
@@ -247,7 +250,7 @@ def main(argv=None):
     raw.simulator = {**stated, **made}
     state = torch.load(Path(args.world) / "ema_core.pt", weights_only=True)
     try:  # before anything is written: a config unlike the weights would make a checkpoint that cannot load
-        load_weights(GameRFT(load_config(args.config).model), state, str(Path(args.world) / "ema_core.pt"))
+        load_weights(GameRFT(model), state, str(Path(args.world) / "ema_core.pt"))
     except CheckpointError as exc:
         raise SystemExit(f"error: --config {args.config}: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
@@ -255,7 +258,7 @@ def main(argv=None):
         f"# Written by scripts.export_checkpoint from {args.config} (train.vae_scale measured by scripts.encode_latents;\n"
         f"# simulator: the maze of the episodes behind {Path(args.latents) / 'stats.json'}).\n"
         "# inference: the default cache plan, chosen from scripts.quality_kv / bench_kv (docs/kv_modes.md).\n"
-        + OmegaConf.to_yaml(raw))
+        + OmegaConf.to_yaml(raw, resolve=True))
     world = load_config(out / "config.yaml")
 
     # Shards of at most 16 MB (model-0000i-of-0000n.safetensors + model.safetensors.index.json,

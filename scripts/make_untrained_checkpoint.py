@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderTiny
+from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from inference.actions import load_actions
 from owl_wms.clips import Clip
-from owl_wms.config import load_config
+from owl_wms.config import load_config, read_config
 from owl_wms.model import GameRFT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,7 +36,11 @@ def main(argv=None):
     cfg = world.model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(args.config, out / "config.yaml")
+    if "base" in OmegaConf.load(args.config):  # merged, so the checkpoint stands alone
+        (out / "config.yaml").write_text(f"# {args.config} merged over its base\n"
+                                         + OmegaConf.to_yaml(read_config(args.config), resolve=True))
+    else:
+        shutil.copyfile(args.config, out / "config.yaml")
 
     torch.manual_seed(args.seed)
     model = GameRFT(cfg)

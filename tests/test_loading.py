@@ -129,18 +129,31 @@ def test_a_config_gives_only_what_differs_from_its_base(tmp_path):
     assert long.name == tiny.name and long.decoder == tiny.decoder
     # paths in the merged config are the loaded file's, as for any config
     assert long.resolve("clips") == tmp_path / "sub" / "clips"
-    # shipped configs: the longer-window worlds are the shipped world's file with one key changed
+    # the configs beside the shipped world's are it with what their names say changed
     shipped = load_config(REPO / "configs" / "maze_world_d128.yaml")
-    smooth = load_config(REPO / "configs" / "maze_world_d128_smooth.yaml")
-    assert smooth.model == dataclasses.replace(shipped.model, mouse_embed="smooth") and smooth.pipeline == shipped.pipeline
+    changed = {"maze_world": (dict(d_model=256, n_heads=4), {}), "maze_world_d128_smooth": (dict(mouse_embed="smooth"), {}),
+               "maze_world_d128_w48": ({}, dict(window_frames=48)), "maze_world_d128_w64": ({}, dict(window_frames=64))}
+    for name, (model, pipeline) in changed.items():
+        world = load_config(REPO / "configs" / f"{name}.yaml")
+        assert world.model == dataclasses.replace(shipped.model, **model), name
+        assert world.pipeline == dataclasses.replace(shipped.pipeline, **pipeline), name
+        assert (world.inference, world.decoder, world.name, world.vae_scale) == \
+            (shipped.inference, shipped.decoder, shipped.name, shipped.vae_scale), name
 
 
 @pytest.mark.parametrize("text, message", [
     ("base: missing.yaml\n", r"'.*loop.yaml': base: '.*missing.yaml' does not exist; name a config file relative to"),
+    ("base: sub\n", r"base: '.*sub' is a folder, not a config file; name a config file relative to"),
+    ("base: list.yaml\n", r"base: '.*list.yaml' is not a mapping of sections \(model:, pipeline:, ...\); name a world"),
+    ("base: broken.yaml\n", r"config file '.*broken.yaml' is not valid YAML"),
     ("base: 3\n", r"base=3 must name a config file, relative to this one"),
-    ("base: loop.yaml\n", r"base: loop.yaml leads back to itself \(.*loop.yaml -> .*loop.yaml\); break the loop"),
-    ("base: other.yaml\n", r"base: loop.yaml leads back to itself \(.*loop.yaml -> .*other.yaml -> .*loop.yaml\)"),
-    ("base: tiny.yaml\nmodel: [1]\n", r"'.*loop.yaml' cannot be merged over its base '.*tiny.yaml'"),
+    ("base: ${model.name}\n", r"base='\$\{model.name\}' must name a config file, relative to this one \(a plain path, "
+                              r"not an interpolation\)"),
+    ("base: circle.yaml\n", r"base 'circle.yaml' cannot be followed \(.*\); name a config file relative to this one"),
+    ("base: loop.yaml\n", r"base 'loop.yaml' leads back to itself \(.*loop.yaml -> .*loop.yaml\); break the loop"),
+    ("base: other.yaml\n", r"base 'loop.yaml' leads back to itself \(.*loop.yaml -> .*other.yaml -> .*loop.yaml\)"),
+    ("base: tiny.yaml\nmodel: [1]\n", r"'.*loop.yaml' cannot be merged over its base '.*tiny.yaml': .*; give each "
+                                      r"section the kind \(a mapping, a list\) it has in the base"),
     ("base: tiny.yaml\nmodel:\n  d_model: wide\n", r"d_model"),
 ])
 def test_a_bad_base_is_named_with_the_fix(tmp_path, text, message):
@@ -148,6 +161,10 @@ def test_a_bad_base_is_named_with_the_fix(tmp_path, text, message):
 
     (tmp_path / "tiny.yaml").write_text((REPO / "configs" / "untrained_tiny.yaml").read_text())
     (tmp_path / "other.yaml").write_text("base: loop.yaml\n")
+    (tmp_path / "list.yaml").write_text("- model\n")
+    (tmp_path / "broken.yaml").write_text("model: [\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "circle.yaml").symlink_to(tmp_path / "circle.yaml")  # a link to itself: resolving it loops
     (tmp_path / "loop.yaml").write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_config(tmp_path / "loop.yaml")

@@ -67,7 +67,7 @@ def test_a_signal_stops_training_at_a_step_that_the_next_run_resumes_exactly(cha
     from owl_wms.maze.training import STOPPED
     from scripts import train_vae, train_world
 
-    (tmp_path / "tiny.yaml").write_text(f"base: {REPO / 'configs' / 'maze_world.yaml'}\n"
+    (tmp_path / "tiny.yaml").write_text(f"base: {json.dumps(str(REPO / 'configs' / 'maze_world.yaml'))}\n"
                                         "model: {n_layers: 1, d_model: 64, n_heads: 1}\npipeline: {window_frames: 4}\n")
 
     def world(out):
@@ -189,7 +189,7 @@ def test_a_missing_autoencoder_folder_is_named_with_the_fix(chain, tmp_path):
 def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypatch):
     from scripts import train_world
 
-    (tmp_path / "tiny.yaml").write_text(f"base: {REPO / 'configs' / 'maze_world.yaml'}\n"
+    (tmp_path / "tiny.yaml").write_text(f"base: {json.dumps(str(REPO / 'configs' / 'maze_world.yaml'))}\n"
                                         "model: {n_layers: 2, d_model: 128, n_heads: 2}\npipeline: {window_frames: 6}\n")
     common = ["--config", str(tmp_path / "tiny.yaml"), "--latents", str(chain / "latents"), "--out",
               str(tmp_path / "world"), "--batch", "2", "--save-every", "2"]
@@ -252,7 +252,7 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert not (tmp_path / "x").exists()
     # a config over a base is written merged: the checkpoint's config.yaml stands alone
     (tmp_path / "based.yaml").write_text("base: tiny.yaml\nworld:\n  name: based-tiny\n")
-    export_checkpoint.main(["--config", str(tmp_path / "based.yaml"), *export[2:-6], "--out", str(tmp_path / "y")])
+    export_checkpoint.main(["--config", str(tmp_path / "based.yaml"), *export[2:-5], str(tmp_path / "y"), *export[-4:]])
     assert "base" not in OmegaConf.load(tmp_path / "y" / "config.yaml")
     (tmp_path / "based.yaml").unlink()
     based = load_config(tmp_path / "y" / "config.yaml")

@@ -73,7 +73,7 @@ def test_train_world_spends_its_seconds_and_ends_its_schedule_there(tmp_path, ca
 
 def tiny_config(tmp_path):
     """The smooth-mouse world's config at two layers and a 6-frame window: fast on any CPU."""
-    (tmp_path / "tiny.yaml").write_text(f"base: {REPO / 'configs' / 'maze_world_d128_smooth.yaml'}\n"
+    (tmp_path / "tiny.yaml").write_text(f"base: {json.dumps(str(REPO / 'configs' / 'maze_world_d128_smooth.yaml'))}\n"
                                         "model: {n_layers: 2, n_frames: 6}\npipeline: {window_frames: 6}\n")
     return tmp_path / "tiny.yaml"
 
