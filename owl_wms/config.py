@@ -339,7 +339,11 @@ def read_config(path: str | Path, _chain: tuple[Path, ...] = ()) -> DictConfig:
 
 def load_config(path: str | Path) -> WorldConfig:
     path = Path(path)
-    raw = read_config(path)
+    return parse_config(read_config(path), path)
+
+
+def parse_config(raw: DictConfig, path: Path) -> WorldConfig:
+    """A config's sections as ``read_config`` gives them (``path``: the file, for messages and paths), checked."""
     if "model" not in raw:
         raise ConfigError(f"config file {str(path)!r} has no 'model:' section")
     try:

@@ -22,7 +22,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from omegaconf import OmegaConf
 
-from owl_wms.config import ConfigError, load_config, read_config
+from owl_wms.config import ConfigError, load_config, parse_config, read_config
 from owl_wms.loading import CheckpointError, load_weights
 from owl_wms.maze.data import EPISODE_OPTIONS, OPEN_WALL, episode_options, level_clip
 from owl_wms.maze.training import DEFAULT_WORLD_CONFIG, WORLD_RECORD
@@ -234,7 +234,8 @@ def main(argv=None):
                          f"{data_dir} holds episodes made with {episode_options(manifest)}; pass the --data they came from")
     args.config = args.config or train.get("config", DEFAULT_WORLD_CONFIG)
     try:  # merged over its base and checked: the checkpoint's config stands alone
-        raw, model = read_config(args.config), load_config(args.config).model
+        raw = read_config(args.config)
+        model = parse_config(raw, Path(args.config)).model
     except ConfigError as exc:
         raise SystemExit(f"error: --config: {exc}") from None
     # the scale the model was trained with: the latents' own, or a fine-tune's --init world's
