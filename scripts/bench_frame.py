@@ -29,9 +29,10 @@ Reported per path:
 - batched sessions (owl_wms/engine/sessions.py): B sessions, each a frame a step, one model call
   per denoising step, compiled whole, in the first dtype, the batch sizes taking turns step by
   step: ms per step, per session-frame, and the aggregate session-frames a second, as a ratio
-  to B = 1's, the minor page faults a step's denoising took (inference/heap.py: none where the
-  heap keeps freed blocks), and the shares of a step's denoising spent in attention and in the
-  matmuls (torch.profiler).
+  to B = 1's beside its bound (each session beyond one adding only its frame's FLOPs, model
+  calls and decoding, at the best matmul rate), the minor page faults a step's denoising took
+  (inference/heap.py: none where the heap keeps freed blocks), and the shares of a step's
+  denoising spent in attention and in the matmuls (torch.profiler).
 
 ``--original PATH``: a checkout of Wayfarer-Labs/owl-wms, branch laptop_inference_v2_bf16 (needs
 rotary-embedding-torch). Its GameRFTCore, StaticCache and two-step loop run on the same weights,
@@ -187,29 +188,39 @@ class Original:
         return self.decoder.decode(latent)  # this repo's pipeline decoding (the same eager decoder)
 
 
-def matmul_rate(dtype, device, n: int = 512) -> float:
-    """This machine's matmul rate (FLOP/s) in ``dtype``: the best of a few timings of n x n x n."""
-    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    sync, best = synchronizer(device), float("inf")
-    for _ in range(3):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(2):
-            a @ b
-        sync()
-        best = min(best, (time.perf_counter() - t0) / 2)
-    return 2 * n ** 3 / best
+def matmul_rate(dtype, device, sizes=(512, 1024, 2048)) -> float:
+    """This machine's matmul rate (FLOP/s) in ``dtype``: the best of a few timings of n x n x n
+    over ``sizes`` (the largest need not be the fastest on a CPU's caches)."""
+    sync, rates = synchronizer(device), []
+    for n in sizes:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        best = float("inf")
+        for _ in range(3):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(2):
+                a @ b
+            sync()
+            best = min(best, (time.perf_counter() - t0) / 2)
+        rates.append(2 * n ** 3 / best)
+    return max(rates)
 
 
-def frame_flops(path) -> int:
+def frame_flops(path) -> tuple[int, int]:
+    """FLOPs of one frame's model calls and of decoding it (0 without a decoder)."""
     from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
     # torch's counter has no formula for the CPU's flash attention op: the ring reads count too
     cpu_attention = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
                      lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)}
     with FlopCounterMode(display=False, custom_mapping=cpu_attention) as counter:
-        path.frame()
-    return counter.get_total_flops()
+        latent = path.frame()
+    frame = counter.get_total_flops()
+    if path.pipe.decoder is None:
+        return frame, 0
+    with FlopCounterMode(display=False) as counter:
+        path.decode(latent)
+    return frame, counter.get_total_flops()
 
 
 def attention_times(cfg, window: int, dtype, repeats: int = 50) -> list[dict]:
@@ -336,9 +347,9 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
         dtype_name = str(p.dtype).removeprefix("torch.")
         if dtype_name not in floors:
             rate = matmul_rate(p.dtype, args.device)
-            flops = frame_flops(next(q for q in paths if q.name == EAGER and q.dtype == p.dtype))
-            floors[dtype_name] = (flops, rate, 1000 * flops / rate)
-        flops, rate, floor_ms = floors[dtype_name]
+            flops, decode_flops = frame_flops(next(q for q in paths if q.name == EAGER and q.dtype == p.dtype))
+            floors[dtype_name] = (flops, rate, 1000 * flops / rate, decode_flops)
+        flops, rate, floor_ms, _ = floors[dtype_name]
         ms = 1000 * statistics.median(calls[i])
         decode_ms = 1000 * statistics.median(decodes[i]) if decodes[i] else None
         original = next((r for r in rows if r["path"] == ORIGINAL and r["dtype"] == dtype_name), None)
@@ -348,9 +359,9 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
                      "x_eager": reference / ms, "x_original": original["calls_ms"] / ms if original else None,
                      "x_floor": ms / floor_ms, "overhead_share": overhead_share(p, args.profile_frames, args.device),
                      "flops": flops, "matmul_gflops": rate / 1e9, "floor_ms": floor_ms})
-    for dtype_name, (flops, rate, floor_ms) in floors.items():
-        print(f"{dtype_name}: frame FLOPs (two calls) {flops / 1e6:.0f} M; matmul rate {rate / 1e9:.1f} GFLOP/s: "
-              f"floor {floor_ms:.2f} ms")
+    for dtype_name, (flops, rate, floor_ms, decode_flops) in floors.items():
+        print(f"{dtype_name}: frame FLOPs (two calls) {flops / 1e6:.0f} M, decoding {decode_flops / 1e6:.0f} M; "
+              f"matmul rate {rate / 1e9:.1f} GFLOP/s: floor {floor_ms:.2f} ms")
     print(f"x eager: against {EAGER} in {args.dtype[0]}; x original: against the original in the same dtype")
     print(f"{'path':<48} {'dtype':>8} {'ring':>6} {'calls ms':>9} {'decode ms':>10} {'FPS':>6} {'x eager':>10} "
           f"{'x original':>11} {'x floor':>8} {'overhead':>9}")
@@ -360,7 +371,8 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
         x_orig = f"{r['x_original']:.2f}" if r["x_original"] else "-"
         print(f"{r['path']:<48} {r['dtype']:>8} {r['ring_attention'] or '-':>6} {r['calls_ms']:>9.2f} {dec:>10} {fps:>6} {r['x_eager']:>10.2f} "
               f"{x_orig:>11} {r['x_floor']:>8.1f} {100 * r['overhead_share']:>8.0f}%")
-    sessions = session_rows(label, model, decoder, world, history, args)
+    flops, rate, _, decode_flops = floors[str(DTYPES[args.dtype[0]]).removeprefix("torch.")]
+    sessions = session_rows(label, model, decoder, world, history, args, 1000 * (flops + decode_flops) / rate)
     if args.device != "cpu":
         return rows, [], sessions
     attention = [dict(a, model=label) for name in args.dtype
@@ -374,16 +386,29 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
     return rows, attention, sessions
 
 
+def batching_bound(sessions: int, base_sessions: int, base_step_ms: float, frame_floor_ms: float) -> float:
+    """The most ``sessions`` in one step can make, as a ratio to the session-frames a second of
+    ``base_sessions`` whose step takes ``base_step_ms``, when every session more adds its
+    frame's floor and nothing else."""
+    step_ms = base_step_ms + (sessions - base_sessions) * frame_floor_ms
+    return (sessions / step_ms) / (base_sessions / base_step_ms)
+
+
 def step_and_decode(batch, controls) -> None:
     latents = batch.step(controls)
     if batch.decoder is not None:
         batch.decode(list(latents.values()))
 
 
-def session_rows(label, model, decoder, world, history, args) -> list[dict]:
+def session_rows(label, model, decoder, world, history, args, frame_floor_ms: float) -> list[dict]:
     """B sessions of the default (compiled whole, int8 in-place) at once, for each B of
     ``args.sessions``: ms per batched step (a frame of every session, decoded with the decoder
-    when there is one), per session-frame, and the aggregate rate as a ratio to B = 1's."""
+    when there is one), per session-frame, and the aggregate rate as a ratio to B = 1's.
+
+    Beside that ratio, its bound: the ratio B sessions would reach if each session beyond the
+    smallest batch's added nothing to the step but its frame's FLOPs (model calls and decoding,
+    ``frame_floor_ms``) at this machine's best matmul rate. Every session attends over its own
+    history and decodes its own frame, so no batching goes past it."""
     from owl_wms.engine.sessions import Sessions, batch_rows
     from owl_wms.settings import without_kv
 
@@ -426,22 +451,28 @@ def session_rows(label, model, decoder, world, history, args) -> list[dict]:
                      "denoise_fps": 1000 * n / denoise_ms, "decoded": decoder is not None,
                      "page_faults_per_step": statistics.mean(faults[n]), "heap_kept": HEAP_KEPT,
                      **op_shares(functools.partial(batch.step, controls), args.profile_frames, args.device)})
+    first = rows[0]
     for r in rows:
-        r["x_one_session"] = r["aggregate_fps"] / rows[0]["aggregate_fps"]
-        r["x_one_session_denoise"] = r["denoise_fps"] / rows[0]["denoise_fps"]
+        r["x_one_session"] = r["aggregate_fps"] / first["aggregate_fps"]
+        r["x_one_session_denoise"] = r["denoise_fps"] / first["denoise_fps"]
+        r["session_frame_floor_ms"] = frame_floor_ms
+        r["x_one_session_bound"] = batching_bound(r["sessions"], first["sessions"], first["step_ms"], frame_floor_ms)
     what = "a step: denoise + decode" if decoder is not None else "a step: denoise only"
     print(f"batched sessions, compiled whole, int8 in-place, {args.dtype[0]}, {settings.ring_attention} ring ({what}):")
     print(f"{'sessions':>9} {'denoise ms':>11} {'step ms':>9} {'ms/session-frame':>17} {'session-frames/s':>17} "
-          f"{'x one session':>14} {'x (denoise)':>12} {'faults/step':>12} {'attention':>10} {'softmax':>8} "
-          f"{'matmuls':>8}")
+          f"{'x one session':>14} {'bound':>6} {'x (denoise)':>12} {'faults/step':>12} {'attention':>10} "
+          f"{'softmax':>8} {'matmuls':>8}")
     for r in rows:
         print(f"{r['sessions']:>9} {r['denoise_ms']:>11.2f} {r['step_ms']:>9.2f} {r['session_frame_ms']:>17.2f} "
-              f"{r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} {r['x_one_session_denoise']:>12.2f} "
+              f"{r['aggregate_fps']:>17.1f} {r['x_one_session']:>14.2f} {r['x_one_session_bound']:>6.2f} "
+              f"{r['x_one_session_denoise']:>12.2f} "
               f"{r['page_faults_per_step']:>12.0f} "
               + (f"{r['attention_share']:>10.0%} {r['softmax_share']:>8.0%} {r['matmul_share']:>8.0%}"
                  if r["attention_share"] is not None else ""))
     print("(attention: SDPA or the ring's batched matmuls; softmax: the compiled kernels holding the matmul "
           "ring's softmax; matmuls: the linear layers'; each a share of a step's denoising under torch.profiler)")
+    print(f"(bound: x one session if each session beyond the first row's added only its frame's FLOPs at the best "
+          f"matmul rate, {frame_floor_ms:.2f} ms a session-frame)")
     return rows
 
 

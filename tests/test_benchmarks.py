@@ -126,6 +126,9 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
     sessions = report["sessions"]
     # one batch size: another would compile its own graphs (the sessions tests run several)
     assert [r["sessions"] for r in sessions] == [1] and sessions[0]["x_one_session"] == 1.0
+    # the bound of one session against itself; its floor is the frame's and its decoding's FLOPs
+    assert sessions[0]["x_one_session_bound"] == pytest.approx(1.0)
+    assert sessions[0]["session_frame_floor_ms"] > rows[0]["floor_ms"]
     assert all(r["ring_attention"] == "sdpa" for r in sessions)
     for r in sessions:
         assert r["step_ms"] > 0 and r["session_frame_ms"] == pytest.approx(r["step_ms"] / r["sessions"])
@@ -133,6 +136,15 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
         assert 0 < r["attention_share"] and 0 < r["matmul_share"] and r["softmax_share"] >= 0
         assert r["attention_share"] + r["matmul_share"] + r["softmax_share"] < 1
         assert isinstance(r["heap_kept"], bool) and r["page_faults_per_step"] >= 0
+
+
+def test_batching_bound_adds_only_each_further_session_s_floor():
+    from scripts.bench_frame import batching_bound
+
+    assert batching_bound(1, 1, 14.0, 2.0) == 1.0
+    assert batching_bound(8, 1, 14.0, 2.0) == pytest.approx(8 * 14.0 / (14.0 + 7 * 2.0))  # 4.0
+    assert batching_bound(8, 2, 20.0, 2.0) == pytest.approx((8 / 32.0) / (2 / 20.0))
+    assert batching_bound(4, 1, 14.0, 0.0) == 4.0  # sessions that cost nothing: B times the frames
 
 
 def test_bench_heap_times_the_kept_heap_beside_glibc_s_default_each_in_its_own_process(tmp_path):
