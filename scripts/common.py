@@ -41,18 +41,27 @@ PRESETS = REPO / "configs" / "kv_presets.yaml"
 SHIPPED = REPO / "checkpoints" / "maze-world"
 
 
+# CPU features that change which dtype is fast: bf16 matmuls run in hardware only with these
+FAST_BF16_FLAGS = (("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16"))
+
+
 def machine() -> str:
-    """The CPU model (and GPU, if any) and the thread count, for benchmark headers."""
-    cpu = platform.processor() or platform.machine()
+    """The CPU model with the vector extensions torch's kernels use (and GPU, if any) and the
+    thread count, for benchmark headers: e.g. "AMD EPYC (AVX512, AVX512-BF16), 2 threads"."""
+    cpu, flags, named = platform.processor() or platform.machine(), set(), False
     try:
-        for line in open("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):  # the first processor's lines are every core's
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+                cpu, named = line.split(":", 1)[1].strip(), True
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            if named and flags:
                 break
     except OSError:
         pass
+    features = [torch.backends.cpu.get_cpu_capability()] + [name for name, flag in FAST_BF16_FLAGS if flag in flags]
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {torch.get_num_threads()} threads{gpu}"
+    return f"{cpu} ({', '.join(features)}), {torch.get_num_threads()} threads{gpu}"
 
 
 def optional(value, spec: str) -> str:

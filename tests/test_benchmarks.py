@@ -147,6 +147,15 @@ def test_batching_bound_adds_only_each_further_session_s_floor():
     assert batching_bound(4, 1, 14.0, 0.0) == 4.0  # sessions that cost nothing: B times the frames
 
 
+def test_benchmark_headers_name_the_cpu_s_vector_extensions_and_threads():
+    from scripts.common import machine
+
+    # which dtype is fast depends on them (bf16 needs AVX512-BF16 or AMX), so every figure names them
+    header = machine()
+    assert f"({torch.backends.cpu.get_cpu_capability()}" in header and header.endswith(
+        f"{torch.get_num_threads()} threads" + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+
+
 def test_bench_heap_times_the_kept_heap_beside_glibc_s_default_each_in_its_own_process(tmp_path):
     out = bench("bench_heap", "--sessions", 1, "--steps", 2, "--rounds", 1, "--compile", 0, "--json",
                 tmp_path / "heap.json")
