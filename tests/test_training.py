@@ -2,6 +2,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -727,3 +728,81 @@ def test_history_noise_corrupts_the_real_history_of_pipeline_samples_and_leaves_
     flow_loss(model.core, x, m, b, pipeline, g0, schedule=sched, history_noise=0.0)
     torch.randn(x.shape, generator=g1)
     assert torch.equal(g0.get_state(), g1.get_state())
+
+
+def test_world_latents_pair_the_worlds_predictions_with_the_frames_they_should_show(chain, tmp_path, monkeypatch):
+    """scripts.world_latents keeps, per training level, each teacher-forced prediction's latent (as
+    the decoder receives it) with the simulator's frame; a rerun makes only what is missing, and
+    another run's options or held-out levels are refused. train_vae --world-latents trains the
+    decoder on them, the encoder untouched, and records the predictions' PSNR before and after."""
+    from safetensors.torch import load_file
+
+    from inference.causvid_pipeline import CausvidPipeline
+    from owl_wms.controls import to_uint8, to_unit
+    from owl_wms.maze.data import HELD_OUT_SEED
+    from owl_wms.maze.evaluation import Episode, teacher_forced
+    from owl_wms.maze.training.vae import psnr
+    from owl_wms.vae import load_autoencoder
+    from scripts import train_vae, world_latents
+
+    monkeypatch.setenv("OWL_DTYPE", "fp32")
+    out = tmp_path / "pairs"
+    world_latents.main(["--levels", "3", "--frames", "3", "--out", str(out)])
+    files = sorted(out.glob("ep_*.safetensors"))
+    assert [f.name for f in files] == ["ep_000000.safetensors", "ep_000001.safetensors", "ep_000002.safetensors"]
+    pipe = CausvidPipeline.from_checkpoint(clip=None, verbose=False)
+    pair = load_file(str(files[1]))
+    ep = Episode(pipe, 1, 3, "explore")  # still+explore: odd levels explore
+    made = []
+    teacher_forced(pipe, ep, 3, frames=made)
+    assert pair["latents"].shape == (3, 32, 8, 8) and pair["frames"].shape == (3, 64, 64, 3)
+    for k in range(3):
+        assert torch.equal(pair["frames"][k], torch.from_numpy(ep.future(k)[0]))
+        shown = to_uint8(pipe.decoder.decode(pair["latents"][k:k + 1]))[0]
+        assert (shown.int() - torch.from_numpy(made[k]).int()).abs().max() <= 1
+
+    stamp = files[0].stat().st_mtime_ns
+    world_latents.main(["--levels", "4", "--frames", "3", "--out", str(out)])  # one more level, the others kept
+    assert len(list(out.glob("ep_*.safetensors"))) == 4 and files[0].stat().st_mtime_ns == stamp
+    with pytest.raises(SystemExit, match="holds levels made with frames 3"):
+        world_latents.main(["--levels", "4", "--frames", "5", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        world_latents.main(["--first-seed", str(HELD_OUT_SEED - 1), "--levels", "2", "--out", str(tmp_path / "x")])
+
+    base = REPO / "checkpoints" / "maze-world" / "vae"
+    args = ["--data", str(chain / "data"), "--init", str(base), "--world-latents", str(out), "--batch", "4",
+            "--held-out", "1", "--steps", "2", "--lr", "1e-4", "--fp32"]
+    with pytest.raises(SystemExit):  # the encoder would change: the world's latents with it
+        train_vae.main(args + ["--out", str(tmp_path / "no")])
+    with pytest.raises(SystemExit):  # the detail term is the world latents' loss
+        train_vae.main(args[:4] + ["--decoder-only", "--detail-weight", "0.01", "--out", str(tmp_path / "no")])
+    train_vae.main(args + ["--decoder-only", "--detail-weight", "0.01", "--out", str(tmp_path / "dec")])
+    before, after = load_autoencoder(base).state_dict(), load_autoencoder(tmp_path / "dec" / "final").state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("encoder."))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
+    metrics = json.loads((tmp_path / "dec" / "final" / "metrics.json").read_text())
+    assert metrics["world_latents"] == str(out) and metrics["world_share"] == 0.5 and metrics["detail_weight"] == 0.01
+    # scored on the held-out last level's predictions (every 4th: here its first), decoded as they are in play
+    held = load_file(str(out / "ep_000003.safetensors"))
+    with torch.no_grad():
+        shown = load_autoencoder(base).decode(held["latents"][:1]).sample
+    assert metrics["held_out_world_psnr_db_before"] == pytest.approx(
+        psnr(shown, to_unit(held["frames"][:1].permute(0, 3, 1, 2))), abs=1e-3)
+    assert np.isfinite(metrics["held_out_world_psnr_db"]) and metrics["held_out_world_sharpness_ratio"] > 0
+
+
+def test_detail_gap_is_the_log_sharpness_ratio_and_its_gradient_sharpens():
+    """detail_gap is 0 for a frame as sharp as its target and the squared log of eval_world's
+    sharpness ratio otherwise; a step down its gradient makes a blurred frame sharper."""
+    from owl_wms.controls import to_uint8
+    from owl_wms.maze.evaluation import sharpness_ratio
+    from owl_wms.maze.training.vae import detail_gap
+
+    x = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    blurred = torch.nn.functional.avg_pool2d(x, 3, 1, 1, count_include_pad=False)
+    assert detail_gap(x, x).item() == 0
+    ratio = sharpness_ratio(to_uint8(blurred)[0].numpy(), to_uint8(x)[0].numpy())
+    assert detail_gap(blurred, x).item() == pytest.approx(np.log(ratio) ** 2, rel=0.05)  # uint8 rounding aside
+    y = blurred.clone().requires_grad_(True)
+    detail_gap(y, x).backward()
+    assert detail_gap(y.detach() - 0.5 * y.grad, x) < detail_gap(blurred, x)

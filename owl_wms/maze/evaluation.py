@@ -49,11 +49,16 @@ def layout_psnr(pred: np.ndarray, real: np.ndarray, factor: int = LAYOUT_FACTOR)
     return float(peak_signal_noise_ratio(p, r, data_range=255.0))
 
 
+def high_frequency_energy(images: torch.Tensor) -> torch.Tensor:
+    """The mean squared Laplacian of the grey levels of images [N, C, H, W], one value per image
+    (edges, texture; a smooth band of one colour has almost none). Differentiable."""
+    grey = images.float().mean(1, keepdim=True)
+    return torch.nn.functional.conv2d(grey, LAPLACIAN[None, None].to(grey.device)).pow(2).mean((1, 2, 3))
+
+
 def sharpness(frame: np.ndarray) -> float:
-    """High-frequency energy of a uint8 HxWx3 frame: the mean squared Laplacian of its grey
-    levels (edges, texture; a smooth band of one colour has almost none)."""
-    grey = torch.from_numpy(np.ascontiguousarray(frame)).float().mean(-1)[None, None]
-    return float(torch.nn.functional.conv2d(grey, LAPLACIAN[None, None]).pow(2).mean())
+    """High-frequency energy of a uint8 HxWx3 frame (``high_frequency_energy``)."""
+    return float(high_frequency_energy(torch.from_numpy(np.ascontiguousarray(frame)).permute(2, 0, 1)[None])[0])
 
 
 def sharpness_ratio(pred: np.ndarray, real: np.ndarray) -> float:
@@ -157,17 +162,21 @@ def observe_real(pipe, ep: Episode, k: int):
     observe_frame(pipe, *ep.future(k))
 
 
-def teacher_forced(pipe, ep: Episode, n: int, frames: list | None = None) -> list[tuple[float, float]]:
+def teacher_forced(pipe, ep: Episode, n: int, frames: list | None = None,
+                   latents: list | None = None) -> list[tuple[float, float]]:
     """Metrics of each next frame 1..n predicted from the real history; ``frames``, when given,
-    receives the predicted uint8 frames."""
+    receives the predicted uint8 frames, ``latents`` the predicted model-space latents [1, 1, c, h, w]."""
     pipe.load_clip(ep.clip)
     out = []
     for k in range(n):
         real, m, b = ep.future(k)
-        frame = pipe.decode(pipe.generate(m, b, commit=False)).numpy()
+        latent = pipe.generate(m, b, commit=False)
+        frame = pipe.decode(latent).numpy()
         out.append(frame_metrics(frame, real))
         if frames is not None:
             frames.append(frame)
+        if latents is not None:
+            latents.append(latent)
         observe_real(pipe, ep, k)
     return out
 
