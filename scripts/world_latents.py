@@ -47,7 +47,7 @@ def write_level(pipe, seed: int, style: str, frames: int, start: int | None, out
     real = np.stack([ep.future(k)[0] for k in range(frames)])
     final = out / f"ep_{seed:06d}.safetensors"
     tmp = final.with_suffix(".tmp")
-    save_file({"latents": torch.cat([z[:, 0].float() * pipe.vae_scale for z in latents]).contiguous(),
+    save_file({"latents": torch.cat([pipe.decoder_latent(z) for z in latents]).contiguous(),
                "frames": torch.from_numpy(real).contiguous()}, str(tmp),
               metadata={"level_seed": str(seed), "style": style})
     os.replace(tmp, final)

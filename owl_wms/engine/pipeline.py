@@ -199,10 +199,14 @@ class CausvidPipeline:
             self.log(report)
             self._guard_said = report
 
+    def decoder_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """A model-space latent [1, 1, c, h, w] as the decoder takes it: [1, c, h, w], float32, times vae_scale."""
+        return latent[:, 0].float() * self.vae_scale
+
     @torch.no_grad()
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
         """uint8 RGB [H, W, 3] of a model-space latent [1, 1, c, h, w]."""
-        return to_uint8(self._decoder().decode(latent[:, 0].float() * self.vae_scale)[0])
+        return to_uint8(self._decoder().decode(self.decoder_latent(latent))[0])
 
     def _decoder(self) -> FrameDecoder:
         if self.decoder is None:
