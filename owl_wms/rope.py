@@ -26,22 +26,22 @@ def rope_dims(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 class RoPE(torch.nn.Module):
-    """Rotary angles of absolute token positions; no stored buffers. Subclasses give ``angles``."""
+    """Rotary angles of absolute token positions; no stored buffers. Subclasses give ``token_angles``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tpf = cfg.tokens_per_frame
         self.side = cfg.sample_size
 
-    def positions(self, token_offset: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(frame, row, column) of absolute token positions offset..offset+n-1 (int64, host)."""
-        p = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device="cpu")
-        frame, within = p // self.tpf, p % self.tpf
-        return frame, within // self.side, within % self.side
+    def token_angles(self, frame: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+        """float64 angles [n, dh/2] of the tokens at index ``within`` (int64) of frame ``frame``
+        (float64), on their device."""
+        raise NotImplementedError
 
     def angles(self, token_offset: int, n_tokens: int) -> torch.Tensor:
-        """float64 angles [n_tokens, dh/2] for absolute token positions offset..offset+n-1."""
-        raise NotImplementedError
+        """float64 angles [n_tokens, dh/2] for absolute token positions offset..offset+n-1 (host)."""
+        p = torch.arange(token_offset, token_offset + n_tokens, dtype=torch.int64, device="cpu")
+        return self.token_angles((p // self.tpf).double(), p % self.tpf)
 
     def cos_sin(self, token_offset: int, n_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.angles(token_offset, n_tokens)
@@ -49,21 +49,17 @@ class RoPE(torch.nn.Module):
 
     def frame_cos_sin(self, first_frame: torch.Tensor, n_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [b, 1, n_frames * tpf, dh/2] of frames first_frame[b] + 0..n-1, made on the
-        first_frame's device from the frame indices (no host value): angles are affine in the frame
-        index (angle = frame x per-frame step + angle in frame 0), computed in float64 so large
+        first_frame's device from the frame indices (no host value, no host tensor: a compiled
+        graph or a captured CUDA graph holds no copy): angles are affine in the frame index
+        (angle = frame x per-frame step + angle in frame 0), computed in float64 so large
         positions keep their precision."""
-        base, step = self._affine(first_frame.device)
-        frames = (first_frame[:, None] + torch.arange(n_frames, device=first_frame.device)).to(torch.float64)
+        device = first_frame.device
+        within = torch.arange(self.tpf, device=device)
+        base = self.token_angles(torch.zeros(self.tpf, dtype=torch.float64, device=device), within)
+        step = self.token_angles(torch.ones(self.tpf, dtype=torch.float64, device=device), within) - base
+        frames = (first_frame[:, None] + torch.arange(n_frames, device=device)).to(torch.float64)
         a = (frames[:, :, None, None] * step + base).flatten(1, 2)[:, None]
         return a.cos().float(), a.sin().float()
-
-    def _affine(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self.__dict__.setdefault("_affine_by_device", {})
-        key = str(device)
-        if key not in cached:
-            base = self.angles(0, self.tpf)
-            cached[key] = (base.to(device), (self.angles(self.tpf, self.tpf) - base).to(device))
-        return cached[key]
 
 
 class MotionRoPE(RoPE):
@@ -72,25 +68,23 @@ class MotionRoPE(RoPE):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.delta = float(cfg.rope_ats_delta)
+        self.base = float(cfg.rope_base)
         t, x, y = rope_dims(cfg)
-        s = t + x + y
-        # Host tensors whatever the default device (a model built under ``with torch.device("cuda")``):
-        # angles are made on the host in float64 and moved once, in cos_sin.
-        j = torch.arange(s // 2, dtype=torch.float64, device="cpu")
-        freqs = 1.0 / (float(cfg.rope_base) ** (2.0 * j / s))
-        n_spatial = (x + y) // 2
-        # Which coordinate drives angle j: 0 = x (even spatial), 1 = y (odd spatial), 2 = t.
-        axis = torch.full((s // 2,), 2, dtype=torch.long, device="cpu")
-        axis[:n_spatial] = torch.arange(n_spatial, device="cpu") % 2
-        self._freqs = freqs
-        self._axis = axis
+        self.dims = t + x + y
+        self.n_spatial = (x + y) // 2
 
-    def angles(self, token_offset: int, n_tokens: int) -> torch.Tensor:
-        frame, row, col = self.positions(token_offset, n_tokens)
-        t = frame.double() * self.delta
+    def token_angles(self, frame: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+        s, device = self.dims, frame.device
+        j = torch.arange(s // 2, dtype=torch.float64, device=device)
+        freqs = 1.0 / torch.pow(self.base, 2.0 * j / s)
+        # Which coordinate drives angle j: 0 = x (even spatial), 1 = y (odd spatial), 2 = t.
+        k = torch.arange(s // 2, device=device)
+        axis = torch.where(k < self.n_spatial, k % 2, 2)
+        t = frame * self.delta
         half = (self.side - 1) / 2.0
-        coords = torch.stack([t + col.double() - half, t + row.double() - half, t], dim=-1)  # [n, 3]
-        return coords[:, self._axis] * self._freqs
+        row, col = (within // self.side).double(), (within % self.side).double()
+        coords = torch.stack([t + col - half, t + row - half, t], dim=-1)  # [n, 3]
+        return coords[:, axis] * freqs
 
 
 class OrthoRoPE(RoPE):
@@ -108,16 +102,15 @@ class OrthoRoPE(RoPE):
         super().__init__(cfg)
         self.time_step = 2.0 / (cfg.n_frames - 1)
         self.space_step = 2.0 / cfg.sample_size  # linspace(-1, 1, sample_size + 1)
-        n = cfg.head_dim // 8
-        self._freqs = torch.linspace(1.0, 128.0, n, dtype=torch.float64, device="cpu") * math.pi
+        self.n_freqs = cfg.head_dim // 8
 
-    def angles(self, token_offset: int, n_tokens: int) -> torch.Tensor:
-        frame, row, col = self.positions(token_offset, n_tokens)
-        t = frame.double() * self.time_step - 1.0
-        y = row.double() * self.space_step - 1.0
-        x = col.double() * self.space_step - 1.0
+    def token_angles(self, frame: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+        freqs = torch.linspace(1.0, 128.0, self.n_freqs, dtype=torch.float64, device=frame.device) * math.pi
+        t = frame * self.time_step - 1.0
+        y = (within // self.side).double() * self.space_step - 1.0
+        x = (within % self.side).double() * self.space_step - 1.0
         coords = torch.stack([t, y, x, torch.zeros_like(t)], dim=-1)  # [n, 4 axes]
-        return (coords[:, :, None] * self._freqs).flatten(1)  # axis-major: [t f0..fm, y f0..fm, x .., 0 ..]
+        return (coords[:, :, None] * freqs).flatten(1)  # axis-major: [t f0..fm, y f0..fm, x .., 0 ..]
 
 
 def make_rope(cfg: ModelConfig) -> RoPE:
