@@ -235,6 +235,11 @@ class RingLayer:
             raise RingGuardError(f"layer {layer}: slot {slot} holds frame {int(self.tags[0, slot])}, expected frame "
                                  f"{int(expect[slot])} (its tokens' frame): the ring's slots moved apart")
 
+def capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured on ``device``'s current stream (no host read may happen)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class RingCache:
     """The tensor-state ring of every layer, ``rows`` sessions deep. Each row's state is one
     tensor: ``written`` [rows], the frames written since the row's reset. Every call writes every
@@ -347,9 +352,16 @@ class RingCache:
     def _gather(self, layer: int, ring: RingLayer) -> list[torch.Tensor]:
         """The pointer layout's read of one frame's call: the history frames the layer's group can
         see (all stored ones without ``tail_only``) and the call's own, oldest first."""
-        c, written = ring.capacity, int(self.written[0])
-        m = min(written, c - 1, self._group_window[layer] - 1 if self.tail_only else c)
-        tokens = ring.tokens(torch.arange(written - m, written + 1, device=self.device))
+        most = min(ring.capacity - 1, self._group_window[layer] - 1 if self.tail_only else ring.capacity)
+        if capturing(self.device):
+            # No host read while a CUDA graph is captured: a captured frame is a steady-state one, its
+            # ring full, so it sees the most frames, counted back from the device-side write position.
+            m, first = most, self.written[0] - most
+        else:
+            written = int(self.written[0])
+            m = min(written, most)
+            first = written - m
+        tokens = ring.tokens(first + torch.arange(m + 1, device=self.device))
         out = []
         for name, x in zip("kv", ring.ring()):
             if not self.scratch:

@@ -8,6 +8,7 @@ from owl_wms.cache import QuantizedStaticCache, RingGuardError, StaticCache, pla
 from owl_wms.engine.profiler import NoProfiler
 from owl_wms.layouts import Layout
 from owl_wms.quant import CODECS, Quantizer, ScalePolicy, _scaled_cast, make_codec, stored_scale
+from owl_wms import ring as ring_module
 from owl_wms.ring import RingCache, build_cache
 from owl_wms.settings import KVSettings, SettingsError
 
@@ -344,6 +345,23 @@ def test_the_pointer_ring_reads_the_roll_window_in_time_order(storage, scratch):
         assert all(torch.equal(x, y) for x, y in zip(roll.get(0, *new), (keys, values)))
 
 
+def test_the_pointer_ring_under_cuda_graph_capture_reads_a_full_ring_as_eagerly(monkeypatch):
+    """Captured as a CUDA graph, a frame cannot read the write position on the host: the pointer
+    layout then counts its widest window back from the device-side position. A captured frame is a
+    steady-state one, its ring full, and reads there what an eager frame reads, bit for bit."""
+    cfg = tiny_config(n_layers=1)
+    eager, captured = (ring_for(cfg, guard=0, layout="pointer") for _ in range(2))
+    capacity = eager.layers[0].capacity
+    for f in range(capacity + 4):
+        frame = kv_frames(cfg, 1, float(f))
+        want = ring_write(eager, *frame)
+        with monkeypatch.context() as m:
+            if f >= capacity:
+                m.setattr(ring_module, "capturing", lambda device: True)
+            got = ring_write(captured, *frame)
+        assert all(torch.equal(x, y) for x, y in zip(want[:2], got[:2])), f
+
+
 def test_inplace_local_layers_store_only_their_window():
     cfg = tiny_config()  # 4 layers: 0 global, 1-3 local (window 3)
     ring = ring_for(cfg, window=6)
@@ -624,7 +642,7 @@ def test_environment_codec_flags_replace_the_config_codec_as_a_group():
     not torch.cuda.is_available(), reason="no CUDA device (run on a GPU machine)"))])
 def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
     """bench_kv's sample is the cache work of one generated frame (one write per owner layer);
-    on CUDA that frame, captured as a graph, replays the same bytes into the same slots, and
+    on CUDA that frame, captured as a graph (the pointer ring's too), replays the same bytes into the same slots, and
     without CUDA ``--cuda-graph`` is refused with the reason."""
     from scripts import bench_kv
 
@@ -661,10 +679,12 @@ def test_bench_kv_times_one_frame_of_cache_work_per_sample(device, capsys):
     for s, before in zip(stores, captured):
         for n, b in s.bufs.items():
             assert torch.equal(b[:, :, -1].view(torch.uint8), before[n][:, :, -1].view(torch.uint8)), n
-    ring.capture()
-    written = int(ring.cache.written[0])
-    ring.replay(1)  # the ring's positions are device tensors: a replay advances them
-    assert int(ring.cache.written[0]) == written + 1
+    pointer = bench_kv.CacheFrames(cfg, "pointer", {"OWL_KV_STORAGE": "int8"}, device, torch.bfloat16, sync)
+    for frames in (ring, pointer):  # the ring's positions are device tensors: a replay advances them
+        frames.capture()
+        written = int(frames.cache.written[0])
+        frames.replay(1)
+        assert int(frames.cache.written[0]) == written + 1
 
 
 def test_bench_kv_decode_table_times_each_codec_beside_the_casts_it_replaces():
