@@ -8,18 +8,21 @@
 #    whole gives the eager frames, the same frames run to run, noise drawn on the GPU, and no
 #    recompile across wraps, cuts, recomputes and bias changes);
 # 2. bench_kv --device cuda --cuda-graph: per-frame cache cost of every layout x codec as ratios
-#    to bf16 roll, as launched and as captured CUDA graphs (kernels only), memory, the v0-v4
-#    matrix on the shipped world;
+#    to bf16 roll, as launched and as captured CUDA graphs (kernels only), and memory (the v0-v4
+#    matrix on the shipped world is left to a run of its own);
 # 3. the training chain's --device cuda path on a tiny data set (generate, train_vae, encode,
 #    train_world), so the stages that take --device are known to run there;
 # 4. bench_compile --device cuda: eager vs OWL_COMPILE=1 per cache mode, and recompiles
 #    after warm-up (0 = none in steady state);
 # 5. bench_frame --device cuda: ms a frame of the production-shaped model (16 layers, bf16): eager,
-#    per-block compile and the model compiled whole, int8 and bf16 in-place rings, batched sessions;
+#    per-block compile and the model compiled whole, int8 and bf16 in-place rings, 1 and 4 sessions;
+# 5b. bench_train --device cuda: seconds a training step of the shipped world's shape at batch 64
+#    (eager, compiled, one masked attention call), beside which train_world's own step time (its
+#    --seconds line) shows what the host side of training costs;
 # 6. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model;
 # 7. decoding beside the generator on a GPU: the headless run's float32 frames with OWL_DECODE=async
 #    (a CUDA stream) and as two stages (--pp 2, both ranks on the one GPU) against the plain run's,
-#    bit for bit.
+#    bit for bit (the headless runs write mp4s: imageio-ffmpeg's ffmpeg, or IMAGEIO_FFMPEG_EXE, must be there).
 #
 # Where the GPU machine has torch but not diffusers, omegaconf or imageio-ffmpeg (and no network),
 # put their wheels in .whl/ beside the repository (pip download ... -d .whl); they are installed to
@@ -39,7 +42,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 failed=()
 
-STEPS=" ${STEPS:-tests bench_kv chain bench_compile bench_frame bench_pipeline stages} "  # a subset: STEPS="tests bench_pipeline"
+STEPS=" ${STEPS:-tests bench_kv chain bench_compile bench_frame bench_train bench_pipeline stages} "  # a subset: STEPS="tests bench_pipeline"
 
 step() {  # step NAME LIMIT_S COMMAND...
     local name=$1 limit=$2
@@ -63,7 +66,7 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 
 # -o addopts= : the suite's pytest-xdist options, which the GPU machine's pytest may not know
 step tests 100 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_compiled.py -k cuda
-step bench_kv 105 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 6 --matrix-frames 16 --json "$OUT/bench_kv.json"
+step bench_kv 90 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 4 --skip-matrix --json "$OUT/bench_kv.json"
 tmp=$(mktemp -d)
 step chain 50 bash -c "set -e
     $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
@@ -72,9 +75,10 @@ step chain 50 bash -c "set -e
     $PY -m scripts.train_world --latents $tmp/latents --out $tmp/world --steps 20 --batch 2 --save-every 20 --device cuda"
 step bench_compile 70 $PY -m scripts.bench_compile --device cuda --frames 16 --mode "bf16 roll" --mode "int8 inplace" \
     --mode "bf16 inplace" --json "$OUT/bench_compile.json"
-step bench_frame 115 $PY -m scripts.bench_frame --device cuda --dtype bf16 --frames 16 --prod-layers 16 \
+step bench_frame 95 $PY -m scripts.bench_frame --device cuda --dtype bf16 --frames 16 --prod-layers 16 --sessions 1 4 \
     ${ORIGINAL:+--original "$ORIGINAL"} --json "$OUT/bench_frame.json"
-step bench_pipeline 55 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
+step bench_train 50 $PY -m scripts.bench_train --device cuda --config configs/maze_world_d128.yaml --batch 64 --steps 5
+step bench_pipeline 40 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
     --json "$OUT/bench_pipeline.json"
 stages_check() {  # the plain run's frames against OWL_DECODE=async's and --pp 2's, bit for bit
     set -e

@@ -222,6 +222,8 @@ def test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_serve
     ("bench_compile", ["--mode", "bf16 rol"], "invalid choice: 'bf16 rol'"),
     ("bench_tp", ["--warmup", "-1"], "--warmup -1 is below 0"),
     ("bench_train", ["--steps", "3"], "--steps 3 leaves no measured step"),
+    pytest.param("bench_train", ["--device", "cuda"], "--device cuda: torch sees no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
     ("bench_play", ["--frames", "0"], "--frames 0 --scale 4: both must be 1 or more"),
     ("bench_serve", ["--players", "0"], "--players, --seconds and --rounds must be positive"),
     ("bench_shared_cores", ["--serve", "0"], "--serve 0: give 1 to 600 seconds"),
@@ -239,5 +241,5 @@ def test_the_gpu_check_fits_one_ten_minute_run():
     script = REPO / "scripts" / "device_check.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     steps = re.findall(r"^step (\w+) (\d+) ", script.read_text(), re.M)
-    assert {"tests", "bench_kv", "bench_compile", "bench_frame", "bench_pipeline", "stages"} <= {name for name, _ in steps}
+    assert {"tests", "bench_kv", "bench_compile", "bench_frame", "bench_train", "bench_pipeline", "stages"} <= {name for name, _ in steps}
     assert sum(int(limit) for _, limit in steps) <= 9 * 60
