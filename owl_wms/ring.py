@@ -235,6 +235,7 @@ class RingLayer:
             raise RingGuardError(f"layer {layer}: slot {slot} holds frame {int(self.tags[0, slot])}, expected frame "
                                  f"{int(expect[slot])} (its tokens' frame): the ring's slots moved apart")
 
+
 def capturing(device: torch.device) -> bool:
     """A CUDA graph is being captured on ``device``'s current stream (no host read may happen)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
