@@ -737,7 +737,9 @@ def test_world_latents_pair_the_worlds_predictions_with_the_frames_they_should_s
     decoder on them, the encoder untouched, and records the predictions' PSNR before and after."""
     from safetensors.torch import load_file
 
-    from inference.causvid_pipeline import CausvidPipeline
+    from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
+    from inference.flags import resolve_settings
+    from owl_wms.config import load_world
     from owl_wms.controls import to_uint8, to_unit
     from owl_wms.maze.data import HELD_OUT_SEED
     from owl_wms.maze.evaluation import Episode, teacher_forced
@@ -750,7 +752,8 @@ def test_world_latents_pair_the_worlds_predictions_with_the_frames_they_should_s
     world_latents.main(["--levels", "3", "--frames", "3", "--out", str(out)])
     files = sorted(out.glob("ep_*.safetensors"))
     assert [f.name for f in files] == ["ep_000000.safetensors", "ep_000001.safetensors", "ep_000002.safetensors"]
-    pipe = CausvidPipeline.from_checkpoint(clip=None, verbose=False)
+    world = load_world(DEFAULT_CHECKPOINT)  # the settings world_latents runs with: float32 on any CPU
+    pipe = CausvidPipeline.from_checkpoint(world, clip=None, verbose=False, settings=resolve_settings(world.inference))
     pair = load_file(str(files[1]))
     ep = Episode(pipe, 1, 3, "explore")  # still+explore: odd levels explore
     made = []
