@@ -32,6 +32,7 @@ class RoPE(torch.nn.Module):
         super().__init__()
         self.tpf = cfg.tokens_per_frame
         self.side = cfg.sample_size
+        self._affine_by_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def token_angles(self, frame: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
         """float64 angles [n, dh/2] of the tokens at index ``within`` (int64) of frame ``frame``
@@ -54,12 +55,23 @@ class RoPE(torch.nn.Module):
         (angle = frame x per-frame step + angle in frame 0), computed in float64 so large
         positions keep their precision."""
         device = first_frame.device
-        within = torch.arange(self.tpf, device=device)
-        base = self.token_angles(torch.zeros(self.tpf, dtype=torch.float64, device=device), within)
-        step = self.token_angles(torch.ones(self.tpf, dtype=torch.float64, device=device), within) - base
+        base, step = self._affine(device)
         frames = (first_frame[:, None] + torch.arange(n_frames, device=device)).to(torch.float64)
         a = (frames[:, :, None, None] * step + base).flatten(1, 2)[:, None]
         return a.cos().float(), a.sin().float()
+
+    def _affine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64 angles of frame 0's tokens, their step per frame) on ``device``: kept per device
+        by eager calls; a compiled graph makes them inside itself (no Python dict is traced)."""
+        compiling = torch.compiler.is_compiling()
+        kept = None if compiling else self._affine_by_device.get(str(device))
+        if kept is None:
+            within = torch.arange(self.tpf, device=device)
+            base = self.token_angles(torch.zeros(self.tpf, dtype=torch.float64, device=device), within)
+            kept = base, self.token_angles(torch.ones(self.tpf, dtype=torch.float64, device=device), within) - base
+            if not compiling:
+                self._affine_by_device[str(device)] = kept
+        return kept
 
 
 class MotionRoPE(RoPE):

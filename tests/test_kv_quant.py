@@ -4,11 +4,11 @@ import torch
 
 from inference.causvid_pipeline import CausvidPipeline
 from inference.flags import resolve_settings
+from owl_wms import ring as ring_module
 from owl_wms.cache import QuantizedStaticCache, RingGuardError, StaticCache, plan_layers
 from owl_wms.engine.profiler import NoProfiler
 from owl_wms.layouts import Layout
 from owl_wms.quant import CODECS, Quantizer, ScalePolicy, _scaled_cast, make_codec, stored_scale
-from owl_wms import ring as ring_module
 from owl_wms.ring import RingCache, build_cache
 from owl_wms.settings import KVSettings, SettingsError
 
