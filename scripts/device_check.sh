@@ -11,14 +11,15 @@
 #    to bf16 roll, as launched and as captured CUDA graphs (kernels only), and memory (the v0-v4
 #    matrix on the shipped world is left to a run of its own);
 # 3. the training chain's --device cuda path on a tiny data set (generate, train_vae, encode,
-#    train_world), so the stages that take --device are known to run there;
+#    train_world), so the stages that take --device are known to run there; train_world runs 15 s
+#    at batch 64 and prints its own ms a step (its --seconds line), alone on the GPU;
 # 4. bench_compile --device cuda: eager vs OWL_COMPILE=1 per cache mode, and recompiles
 #    after warm-up (0 = none in steady state);
 # 5. bench_frame --device cuda: ms a frame of the production-shaped model (16 layers, bf16): eager,
-#    per-block compile and the model compiled whole, int8 and bf16 in-place rings, 1 and 4 sessions;
+#    the model compiled whole (int8 in-place ring) and eager bf16 roll, 1 and 4 sessions (bench_frame's
+#    other paths each compile graphs of their own, minutes on a fresh machine);
 # 5b. bench_train --device cuda: seconds a training step of the shipped world's shape at batch 64
-#    (eager, compiled, one masked attention call), beside which train_world's own step time (its
-#    --seconds line) shows what the host side of training costs;
+#    (eager, compiled, one masked attention call), to set beside train_world's own (step 3);
 # 6. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model;
 # 7. decoding beside the generator on a GPU: the headless run's float32 frames with OWL_DECODE=async
 #    (a CUDA stream) and as two stages (--pp 2, both ranks on the one GPU) against the plain run's,
@@ -65,20 +66,21 @@ fi
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
 
 # -o addopts= : the suite's pytest-xdist options, which the GPU machine's pytest may not know
-step tests 100 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_compiled.py -k cuda
+step tests 75 $PY -m pytest -q -o addopts= -p no:cacheprovider tests/test_kv_quant.py tests/test_compiled.py -k cuda
 step bench_kv 90 $PY -m scripts.bench_kv --device cuda --cuda-graph --frames 4 --skip-matrix --json "$OUT/bench_kv.json"
 tmp=$(mktemp -d)
-step chain 50 bash -c "set -e
+step chain 80 bash -c "set -e
     $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
     $PY -m scripts.train_vae --data $tmp/data --out $tmp/vae --steps 20 --batch 8 --held-out 1 --save-every 20 --device cuda
     $PY -m scripts.encode_latents --data $tmp/data --vae checkpoints/maze-world/vae --out $tmp/latents --device cuda
-    $PY -m scripts.train_world --latents $tmp/latents --out $tmp/world --steps 20 --batch 2 --save-every 20 --device cuda"
-step bench_compile 70 $PY -m scripts.bench_compile --device cuda --frames 16 --mode "bf16 roll" --mode "int8 inplace" \
-    --mode "bf16 inplace" --json "$OUT/bench_compile.json"
-step bench_frame 95 $PY -m scripts.bench_frame --device cuda --dtype bf16 --frames 16 --prod-layers 16 --sessions 1 4 \
+    $PY -m scripts.train_world --latents $tmp/latents --out $tmp/world --steps 100000 --seconds 15 --batch 64 --device cuda"
+step bench_compile 60 $PY -m scripts.bench_compile --device cuda --frames 16 --mode "bf16 roll" --mode "int8 inplace" \
+    --json "$OUT/bench_compile.json"
+step bench_frame 100 $PY -m scripts.bench_frame --device cuda --dtype bf16 --frames 16 --prod-layers 16 --sessions 1 4 \
+    --paths eager whole roll \
     ${ORIGINAL:+--original "$ORIGINAL"} --json "$OUT/bench_frame.json"
-step bench_train 50 $PY -m scripts.bench_train --device cuda --config configs/maze_world_d128.yaml --batch 64 --steps 5
-step bench_pipeline 40 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
+step bench_train 25 $PY -m scripts.bench_train --device cuda --config configs/maze_world_d128.yaml --batch 64 --steps 5
+step bench_pipeline 35 $PY -m scripts.bench_pipeline --device cuda --frames 32 --prod-window 60 --prod-frames 16 \
     --json "$OUT/bench_pipeline.json"
 stages_check() {  # the plain run's frames against OWL_DECODE=async's and --pp 2's, bit for bit
     set -e
@@ -105,6 +107,6 @@ COMPARE
 }
 export -f stages_check
 export PY tmp
-step stages 45 bash -c stages_check
+step stages 75 bash -c stages_check
 
 if [ ${#failed[@]} -eq 0 ]; then echo "device_check: all steps passed"; else echo "device_check: FAILED: ${failed[*]}"; exit 1; fi

@@ -7,8 +7,10 @@
 # Stages, each timed into <work>/times.tsv:
 #   data     episodes of every policy the variants name, rendered on all cores (generate_data --workers)
 #   encode   latents with the shipped autoencoder (checkpoints/maze-world/vae; VAE= another)
-#   train    every variant at once on the one device, in bf16 with torch.compile, each for the same
-#            wall-clock budget (train_world --seconds: the step count that fits, cosine to the end)
+#   train    each variant in turn alone on the device, in bf16 with torch.compile, each for the same
+#            wall-clock budget (train_world --seconds: the step count that fits, cosine to the end);
+#            TOGETHER=1 trains them all at once instead, each on its share of the cores (one GPU
+#            shared by two trainings made each step 5x slower than a step alone: docs/results.md)
 #   export   each variant as a checkpoint folder <work>/<name>/checkpoint (weights in files of at
 #            most 16 MB, its training record in world_training.json)
 # VARIANTS is a space-separated list of NAME:POLICY:CONFIG:OPEN_TURN_WEIGHT; side by side they
@@ -33,6 +35,8 @@ CLIP_FUTURE=${CLIP_FUTURE:-1000}  # recorded policy actions after each exported 
 VARIANTS=${VARIANTS:-"turns-smooth:turns:configs/maze_world_d128_smooth.yaml:0"}
 COMPILE=${COMPILE:---compile}  # COMPILE= trains eager
 PRECISION=${PRECISION:-}  # PRECISION=--fp32 on a CPU without fast bf16
+TOGETHER=${TOGETHER:-0}  # 1: train the variants at once instead of in turn
+case $TOGETHER in 0|1) ;; *) echo "error: TOGETHER=$TOGETHER: use 0 (variants in turn, the default) or 1 (at once)" >&2; exit 2;; esac
 mkdir -p "$WORK"
 . scripts/stage_times.sh
 start_stage_log "$WORK/times.tsv" "--device $DEVICE$($PY -c 'import torch; print(", " + torch.cuda.get_device_name() if torch.cuda.is_available() else "")')"
@@ -63,13 +67,19 @@ wait_all() {  # wait for every background job; fail if any failed
 }
 
 train() {
-  local v name policy config weight
+  local v name policy config weight n threads
+  n=$(echo $VARIANTS | wc -w) threads=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
   for v in $VARIANTS; do
     name=$(field "$v" 1) policy=$(field "$v" 2) config=$(field "$v" 3) weight=$(field "$v" 4)
     mkdir -p "$WORK/$name"
-    $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$WORK/$name/world" --config "$config" \
+    set -- $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$WORK/$name/world" --config "$config" \
       --batch "$BATCH" --steps 1000000 --seconds "$TRAIN_SECONDS" --lr "$LR" --target-frac 0.5 \
-      --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" $COMPILE $PRECISION $TRAIN_FLAGS > "$WORK/$name/train.log" 2>&1 &
+      --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" $COMPILE $PRECISION $TRAIN_FLAGS
+    if [ "$TOGETHER" = 1 ]; then
+      OMP_NUM_THREADS=$threads "$@" > "$WORK/$name/train.log" 2>&1 &
+    else
+      "$@" > "$WORK/$name/train.log" 2>&1 || echo "$name failed to train (its train.log says why); the others go on"
+    fi
   done
   wait_all || echo "some variants failed to train (their train.log says why); the others go on"
   for v in $VARIANTS; do tail -n 2 "$WORK/$(field "$v" 1)/train.log"; done

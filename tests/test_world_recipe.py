@@ -78,11 +78,13 @@ def tiny_config(tmp_path):
     return tmp_path / "tiny.yaml"
 
 
-def test_the_recipe_makes_checkpoints_from_nothing(tmp_path):
-    """scripts/world_gpu.sh at a tiny size on the CPU: data, encode, two variants trained side by
-    side for a time budget, each exported as a checkpoint that plays, with every stage timed."""
+@pytest.mark.parametrize("together", ["0", "1"], ids=["in-turn", "at-once"])
+def test_the_recipe_makes_checkpoints_from_nothing(tmp_path, together):
+    """scripts/world_gpu.sh at a tiny size on the CPU: data, encode, two variants trained in turn or
+    at once for a time budget, each exported as a checkpoint that plays, with every stage timed."""
     config = tiny_config(tmp_path)
     env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "EPISODES": "2", "FRAMES": "12", "WORKERS": "2",
+           "TOGETHER": together,
            "TRAIN_SECONDS": "1", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32", "CLIP_FUTURE": "8",
            "VARIANTS": f"open:turns:{config}:2 plain:turns:{config}:0", "LOOK": "flat", "TRAIN_FLAGS": "--self-rollout 2"}
     proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
@@ -105,6 +107,14 @@ def test_the_recipe_makes_checkpoints_from_nothing(tmp_path):
         assert frame.dtype == torch.uint8 and frame.shape == (64, 64, 3)
     assert "--open-turn-weight 2" in json.loads((tmp_path / "run/open/checkpoint/world_training.json").read_text()) \
         ["runs"][-1]["options"]
+
+
+def test_the_recipe_names_a_bad_together_setting_before_any_work(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "TOGETHER": "yes"}
+    proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=time_limit(60))
+    assert proc.returncode == 2 and "TOGETHER=yes" in proc.stderr and "use 0" in proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_contact_sheet_of_any_length(tmp_path):
