@@ -16,6 +16,12 @@
 # VARIANTS is a space-separated list of NAME:POLICY:CONFIG:OPEN_TURN_WEIGHT; side by side they
 # measure what each change buys at one budget. LOOK draws the maze (generate_data --look) and
 # TRAIN_FLAGS adds train_world flags to every variant. Evaluate a checkpoint with scripts.eval_world.
+# INIT fine-tunes a trained world (a checkpoint folder of the variants' model shape) instead of
+# starting from random weights. PIECES trains each variant on in further pieces, each from the one
+# before (exported to <work>/<name>/piece<K>), as space-separated SECONDS[:FLAGS] with the piece's own
+# train_world flags joined by commas; the recipe of the CPU's 64-frame worlds, scaled up:
+#     INIT=checkpoints/maze-world VARIANTS="w64:still+explore:configs/maze_world_d128_w64.yaml:0" \
+#     LR=0.0003 TRAIN_FLAGS="--ema 0.98" PIECES="120:--self-rollout,6 30 30:--self-rollout,6" bash scripts/world_gpu.sh work/gpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:?usage: bash scripts/world_gpu.sh WORK_DIR}
@@ -36,6 +42,15 @@ VARIANTS=${VARIANTS:-"turns-smooth:turns:configs/maze_world_d128_smooth.yaml:0"}
 COMPILE=${COMPILE:---compile}  # COMPILE= trains eager
 PRECISION=${PRECISION:-}  # PRECISION=--fp32 on a CPU without fast bf16
 TOGETHER=${TOGETHER:-0}  # 1: train the variants at once instead of in turn
+INIT=${INIT:-}  # a checkpoint folder to fine-tune (default: random weights)
+PIECES=${PIECES:-}  # further pieces, SECONDS[:FLAGS,...] each
+for piece in $PIECES; do
+  [[ $piece =~ ^[0-9]+(\.[0-9]+)?(:.*)?$ ]] && [[ ! $piece =~ ^0+(\.0+)?(:|$) ]] || {
+    echo "error: PIECES: '$piece' is not SECONDS[:FLAGS] (seconds > 0, flags joined by commas, e.g. 120:--self-rollout,6)" >&2; exit 2; }
+done
+if [ -n "$INIT" ] && [ ! -f "$INIT/config.yaml" ]; then
+  echo "error: INIT=$INIT is not a checkpoint folder (no config.yaml there); name a trained world, e.g. checkpoints/maze-world" >&2; exit 2
+fi
 case $TOGETHER in 0|1) ;; *) echo "error: TOGETHER=$TOGETHER: use 0 (variants in turn, the default) or 1 (at once)" >&2; exit 2;; esac
 mkdir -p "$WORK"
 . scripts/stage_times.sh
@@ -66,19 +81,37 @@ wait_all() {  # wait for every background job; fail if any failed
   return $rc
 }
 
+train_variant() {  # NAME POLICY CONFIG WEIGHT: the first piece, then each of PIECES from the one before
+  local name=$1 policy=$2 config=$3 weight=$4 init=$INIT k=0 piece secs flags out
+  local pieces=("$TRAIN_SECONDS:" $PIECES)
+  for piece in "${pieces[@]}"; do
+    secs=${piece%%:*} flags=${piece#*:}
+    [ "$flags" != "$piece" ] || flags=
+    out="$WORK/$name/world"
+    [ $((k + 1)) -eq ${#pieces[@]} ] || out="$WORK/$name/piece$k/world"
+    $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$out" --config "$config" \
+      --batch "$BATCH" --steps 1000000 --seconds "$secs" --lr "$LR" --target-frac 0.5 \
+      --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" ${init:+--init "$init"} $COMPILE $PRECISION \
+      $TRAIN_FLAGS ${flags//,/ } || return 1
+    if [ "$out" != "$WORK/$name/world" ]; then
+      init="$WORK/$name/piece$k/checkpoint"
+      $PY -m scripts.export_checkpoint --latents "$WORK/latents_$policy" --data "$WORK/data_$policy" --vae "$VAE" \
+        --world "$out" --out "$init" --future "$CLIP_FUTURE" || return 1
+    fi
+    k=$((k + 1))
+  done
+}
+
 train() {
-  local v name policy config weight n threads
+  local v n threads
   n=$(echo $VARIANTS | wc -w) threads=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
   for v in $VARIANTS; do
-    name=$(field "$v" 1) policy=$(field "$v" 2) config=$(field "$v" 3) weight=$(field "$v" 4)
-    mkdir -p "$WORK/$name"
-    set -- $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$WORK/$name/world" --config "$config" \
-      --batch "$BATCH" --steps 1000000 --seconds "$TRAIN_SECONDS" --lr "$LR" --target-frac 0.5 \
-      --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" $COMPILE $PRECISION $TRAIN_FLAGS
+    mkdir -p "$WORK/$(field "$v" 1)"
+    set -- $(field "$v" 1) $(field "$v" 2) $(field "$v" 3) $(field "$v" 4)
     if [ "$TOGETHER" = 1 ]; then
-      OMP_NUM_THREADS=$threads "$@" > "$WORK/$name/train.log" 2>&1 &
+      OMP_NUM_THREADS=$threads train_variant "$@" > "$WORK/$1/train.log" 2>&1 &
     else
-      "$@" > "$WORK/$name/train.log" 2>&1 || echo "$name failed to train (its train.log says why); the others go on"
+      train_variant "$@" > "$WORK/$1/train.log" 2>&1 || echo "$1 failed to train (its train.log says why); the others go on"
     fi
   done
   wait_all || echo "some variants failed to train (their train.log says why); the others go on"

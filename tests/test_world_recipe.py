@@ -78,13 +78,15 @@ def tiny_config(tmp_path):
     return tmp_path / "tiny.yaml"
 
 
-@pytest.mark.parametrize("together", ["0", "1"], ids=["in-turn", "at-once"])
+@pytest.mark.parametrize("together", ["0", "1"], ids=["in-turn-in-pieces", "at-once"])
 def test_the_recipe_makes_checkpoints_from_nothing(tmp_path, together):
-    """scripts/world_gpu.sh at a tiny size on the CPU: data, encode, two variants trained in turn or
-    at once for a time budget, each exported as a checkpoint that plays, with every stage timed."""
+    """scripts/world_gpu.sh at a tiny size on the CPU: data, encode, two variants trained in turn
+    (each in two pieces, the second from the first's export with flags of its own) or at once, for
+    a time budget, each exported as a checkpoint that plays, with every stage timed."""
     config = tiny_config(tmp_path)
+    pieces = together == "0"
     env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "EPISODES": "2", "FRAMES": "12", "WORKERS": "2",
-           "TOGETHER": together,
+           "TOGETHER": together, "PIECES": "1:--ema,0.9" if pieces else "",
            "TRAIN_SECONDS": "1", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32", "CLIP_FUTURE": "8",
            "VARIANTS": f"open:turns:{config}:2 plain:turns:{config}:0", "LOOK": "flat", "TRAIN_FLAGS": "--self-rollout 2"}
     proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
@@ -100,6 +102,10 @@ def test_the_recipe_makes_checkpoints_from_nothing(tmp_path, together):
         record = json.loads((ckpt / "world_training.json").read_text())
         assert record["data"]["options"] == {"policy": "turns", "corridor": 2, "look": "flat"} and record["steps"] == 25
         assert "--self-rollout 2" in record["runs"][-1]["options"]
+        if pieces:  # the last piece fine-tunes the first's export, and the record keeps both
+            first = tmp_path / "run" / name / "piece0" / "checkpoint"
+            assert record["init"] == str(first) and "--ema 0.9" in record["runs"][-1]["options"]
+            assert record["base"]["steps"] == 25 and "--ema" not in record["base"]["runs"][-1]["options"]
         from inference.causvid_pipeline import CausvidPipeline
 
         pipe = CausvidPipeline.from_checkpoint(ckpt)
@@ -109,11 +115,15 @@ def test_the_recipe_makes_checkpoints_from_nothing(tmp_path, together):
         ["runs"][-1]["options"]
 
 
-def test_the_recipe_names_a_bad_together_setting_before_any_work(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "TOGETHER": "yes"}
+@pytest.mark.parametrize("setting, named", [({"TOGETHER": "yes"}, "TOGETHER=yes"),
+                                             ({"PIECES": "60 0:--self-rollout,6"}, "'0:--self-rollout,6'"),
+                                             ({"PIECES": "a minute"}, "'a'"),
+                                             ({"INIT": "no/such/world"}, "INIT=no/such/world")])
+def test_the_recipe_names_a_bad_setting_before_any_work(tmp_path, setting, named):
+    env = {**os.environ, "PYTHON": sys.executable, **setting}
     proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=time_limit(60))
-    assert proc.returncode == 2 and "TOGETHER=yes" in proc.stderr and "use 0" in proc.stderr
+    assert proc.returncode == 2 and named in proc.stderr and "error:" in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
 
 
