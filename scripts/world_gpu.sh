@@ -9,8 +9,8 @@
 #   encode   latents with the shipped autoencoder (checkpoints/maze-world/vae; VAE= another)
 #   train    each variant in turn alone on the device, in bf16 with torch.compile, each for the same
 #            wall-clock budget (train_world --seconds: the step count that fits, cosine to the end);
-#            TOGETHER=1 trains them all at once instead, each on its share of the cores (one GPU
-#            shared by two trainings made each step 5x slower than a step alone: docs/results.md)
+#            TOGETHER=1 trains them all at once instead, each on its share of the cores (two
+#            trainings sharing one GPU took 5x as long a step as bench_train's step alone: docs/results.md)
 #   export   each variant as a checkpoint folder <work>/<name>/checkpoint (weights in files of at
 #            most 16 MB, its training record in world_training.json)
 # VARIANTS is a space-separated list of NAME:POLICY:CONFIG:OPEN_TURN_WEIGHT; side by side they
