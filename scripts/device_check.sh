@@ -11,13 +11,13 @@
 #    to bf16 roll, as launched and as captured CUDA graphs (kernels only), and memory (the v0-v4
 #    matrix on the shipped world is left to a run of its own);
 # 3. the training chain's --device cuda path on a tiny data set (generate, train_vae, encode,
-#    train_world), so the stages that take --device are known to run there; train_world runs 15 s
+#    train_world), so the stages that take --device are known to run there; train_world runs 10 s
 #    at batch 64 and prints its own ms a step (its --seconds line), alone on the GPU;
 # 4. bench_compile --device cuda: eager vs OWL_COMPILE=1 per cache mode, and recompiles
 #    after warm-up (0 = none in steady state);
 # 5. bench_frame --device cuda: ms a frame of the production-shaped model (16 layers, bf16): eager,
-#    the model compiled whole (int8 in-place ring) and eager bf16 roll, 1 and 4 sessions (bench_frame's
-#    other paths each compile graphs of their own, minutes on a fresh machine);
+#    the model compiled whole (int8 in-place ring) and eager bf16 roll, 1 and 4 sessions (compiled
+#    whole too); bench_frame's other paths each compile graphs of their own, left out to fit the limit;
 # 5b. bench_train --device cuda: seconds a training step of the shipped world's shape at batch 64
 #    (eager, compiled, one masked attention call), to set beside train_world's own (step 3);
 # 6. bench_pipeline --device cuda: FPS of the shipped world and of the production-size model;
@@ -73,7 +73,7 @@ step chain 80 bash -c "set -e
     $PY -m scripts.generate_data --out $tmp/data --episodes 4 --frames 48 --seed 5000
     $PY -m scripts.train_vae --data $tmp/data --out $tmp/vae --steps 20 --batch 8 --held-out 1 --save-every 20 --device cuda
     $PY -m scripts.encode_latents --data $tmp/data --vae checkpoints/maze-world/vae --out $tmp/latents --device cuda
-    $PY -m scripts.train_world --latents $tmp/latents --out $tmp/world --steps 100000 --seconds 15 --batch 64 --device cuda"
+    $PY -m scripts.train_world --latents $tmp/latents --out $tmp/world --steps 100000 --seconds 10 --batch 64 --device cuda"
 step bench_compile 60 $PY -m scripts.bench_compile --device cuda --frames 16 --mode "bf16 roll" --mode "int8 inplace" \
     --json "$OUT/bench_compile.json"
 step bench_frame 100 $PY -m scripts.bench_frame --device cuda --dtype bf16 --frames 16 --prod-layers 16 --sessions 1 4 \

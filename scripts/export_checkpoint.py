@@ -176,7 +176,7 @@ def data_rows(data: dict, train: dict) -> tuple[str, str]:
                 f"{d['options'].get('look', 'brick')} walls, {minutes(d['generate'])}",
                 f"vae_scale (latent std) {d['vae_scale']:.4f}, {minutes(d['encode'])}")
     data_row, encode_row = rows(data)
-    base = train.get("base", {}).get("data") if train.get("init") else None
+    base = (train.get("base") or {}).get("data") if train.get("init") else None  # None: a base with no record
     if base and base["options"] != data["options"]:
         base_data_row, base_encode_row = rows(base)
         data_row = f"{base_data_row} (the base world's); {data_row} (the fine-tune's)"

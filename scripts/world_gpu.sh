@@ -20,8 +20,11 @@
 # starting from random weights. PIECES trains each variant on in further pieces, each from the one
 # before (exported to <work>/<name>/piece<K>), as space-separated SECONDS[:FLAGS] with the piece's own
 # train_world flags joined by commas; the recipe of the CPU's 64-frame worlds, scaled up:
-#     INIT=checkpoints/maze-world VARIANTS="w64:still+explore:configs/maze_world_d128_w64.yaml:0" \
-#     LR=0.0003 TRAIN_FLAGS="--ema 0.98" PIECES="120:--self-rollout,6 30 30:--self-rollout,6" bash scripts/world_gpu.sh work/gpu
+#     INIT=checkpoints/maze-world VARIANTS="w64:still+explore:configs/maze_world_d128_w64.yaml:0" LR=0.0003 \
+#     TRAIN_FLAGS="--ema 0.98" TRAIN_SECONDS=180 PIECES="120:--self-rollout,6 60 60:--self-rollout,6" \
+#     bash scripts/world_gpu.sh work/gpu
+# Each piece compiles again inside its budget (a process of its own); a rerun into the same WORK
+# skips the pieces already done and resumes a stopped one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:?usage: bash scripts/world_gpu.sh WORK_DIR}
@@ -45,13 +48,20 @@ TOGETHER=${TOGETHER:-0}  # 1: train the variants at once instead of in turn
 INIT=${INIT:-}  # a checkpoint folder to fine-tune (default: random weights)
 PIECES=${PIECES:-}  # further pieces, SECONDS[:FLAGS,...] each
 for piece in $PIECES; do
-  [[ $piece =~ ^[0-9]+(\.[0-9]+)?(:.*)?$ ]] && [[ ! $piece =~ ^0+(\.0+)?(:|$) ]] || {
+  [[ $piece =~ ^[0-9]+(\.[0-9]+)?(:(--[^,]+(,[^,]+)*)?)?$ ]] && [[ ! $piece =~ ^0+(\.0+)?(:|$) ]] || {
     echo "error: PIECES: '$piece' is not SECONDS[:FLAGS] (seconds > 0, flags joined by commas, e.g. 120:--self-rollout,6)" >&2; exit 2; }
 done
 if [ -n "$INIT" ] && [ ! -f "$INIT/config.yaml" ]; then
   echo "error: INIT=$INIT is not a checkpoint folder (no config.yaml there); name a trained world, e.g. checkpoints/maze-world" >&2; exit 2
 fi
+if [ -n "$INIT" ] && [ ! -f "$INIT/world_training.json" ]; then  # the exported model card tells the whole chain
+  echo "error: INIT=$INIT has no world_training.json (its training record), so the card of a world trained from it could not say how it was made; name an exported world, e.g. checkpoints/maze-world" >&2; exit 2
+fi
 case $TOGETHER in 0|1) ;; *) echo "error: TOGETHER=$TOGETHER: use 0 (variants in turn, the default) or 1 (at once)" >&2; exit 2;; esac
+for v in $VARIANTS; do
+  [[ $v =~ ^[A-Za-z0-9_.+-]+:[a-z+]+:[^:]+:[0-9]+(\.[0-9]+)?$ ]] || {
+    echo "error: VARIANTS: '$v' is not NAME:POLICY:CONFIG:OPEN_TURN_WEIGHT (e.g. turns:turns:configs/maze_world_d128.yaml:0)" >&2; exit 2; }
+done
 mkdir -p "$WORK"
 . scripts/stage_times.sh
 start_stage_log "$WORK/times.tsv" "--device $DEVICE$($PY -c 'import torch; print(", " + torch.cuda.get_device_name() if torch.cuda.is_available() else "")')"
@@ -82,40 +92,59 @@ wait_all() {  # wait for every background job; fail if any failed
 }
 
 train_variant() {  # NAME POLICY CONFIG WEIGHT: the first piece, then each of PIECES from the one before
-  local name=$1 policy=$2 config=$3 weight=$4 init=$INIT k=0 piece secs flags out
+  # A piece already done (exported, or the last one's EMA weights saved) is skipped, and one that was
+  # stopped resumes from its saved state, so a rerun of a stopped run carries on where it was.
+  local name=$1 policy=$2 config=$3 weight=$4 init=$INIT k=0 piece secs flags out rc
   local pieces=("$TRAIN_SECONDS:" $PIECES)
   for piece in "${pieces[@]}"; do
     secs=${piece%%:*} flags=${piece#*:}
     [ "$flags" != "$piece" ] || flags=
     out="$WORK/$name/world"
     [ $((k + 1)) -eq ${#pieces[@]} ] || out="$WORK/$name/piece$k/world"
-    $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$out" --config "$config" \
-      --batch "$BATCH" --steps 1000000 --seconds "$secs" --lr "$LR" --target-frac 0.5 \
-      --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" ${init:+--init "$init"} $COMPILE $PRECISION \
-      $TRAIN_FLAGS ${flags//,/ } || return 1
-    if [ "$out" != "$WORK/$name/world" ]; then
-      init="$WORK/$name/piece$k/checkpoint"
-      $PY -m scripts.export_checkpoint --latents "$WORK/latents_$policy" --data "$WORK/data_$policy" --vae "$VAE" \
-        --world "$out" --out "$init" --future "$CLIP_FUTURE" || return 1
+    if [ "$out" = "$WORK/$name/world" ] && [ -f "$out/ema_core.pt" ]; then
+      echo "$name: trained already ($out/ema_core.pt)"
+    elif [ "$out" != "$WORK/$name/world" ] && [ -f "$WORK/$name/piece$k/checkpoint/model.safetensors" ]; then
+      echo "$name: piece $k trained and exported already"
+    else
+      rc=0
+      $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$out" --config "$config" \
+        --batch "$BATCH" --steps 1000000 --seconds "$secs" --lr "$LR" --target-frac 0.5 \
+        --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" ${init:+--init "$init"} $COMPILE $PRECISION \
+        $TRAIN_FLAGS ${flags//,/ } || rc=$?
+      [ $rc -eq 0 ] || return $rc  # 75: stopped by a signal, its state saved
+      if [ "$out" != "$WORK/$name/world" ]; then
+        $PY -m scripts.export_checkpoint --latents "$WORK/latents_$policy" --data "$WORK/data_$policy" --vae "$VAE" \
+          --world "$out" --out "$WORK/$name/piece$k/checkpoint" --future "$CLIP_FUTURE" || return 1
+      fi
     fi
+    [ "$out" = "$WORK/$name/world" ] || init="$WORK/$name/piece$k/checkpoint"
     k=$((k + 1))
   done
 }
 
-train() {
-  local v n threads
+train() {  # exits 75 (the stage then says how to resume) when a signal stopped a training
+  local v n threads rc stopped=0 pid
   n=$(echo $VARIANTS | wc -w) threads=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
   for v in $VARIANTS; do
     mkdir -p "$WORK/$(field "$v" 1)"
-    set -- $(field "$v" 1) $(field "$v" 2) $(field "$v" 3) $(field "$v" 4)
+    set -- "$(field "$v" 1)" "$(field "$v" 2)" "$(field "$v" 3)" "$(field "$v" 4)"
     if [ "$TOGETHER" = 1 ]; then
       OMP_NUM_THREADS=$threads train_variant "$@" > "$WORK/$1/train.log" 2>&1 &
     else
-      train_variant "$@" > "$WORK/$1/train.log" 2>&1 || echo "$1 failed to train (its train.log says why); the others go on"
+      rc=0
+      train_variant "$@" > "$WORK/$1/train.log" 2>&1 || rc=$?
+      [ $rc -ne 75 ] || return 75
+      [ $rc -eq 0 ] || echo "$1 failed to train (its train.log says why); the others go on"
     fi
   done
-  wait_all || echo "some variants failed to train (their train.log says why); the others go on"
+  for pid in $(jobs -p); do
+    rc=0
+    wait "$pid" || rc=$?
+    [ $rc -ne 75 ] || stopped=1
+    [ $rc -eq 0 ] || [ $rc -eq 75 ] || echo "a variant failed to train (its train.log says why); the others go on"
+  done
   for v in $VARIANTS; do tail -n 2 "$WORK/$(field "$v" 1)/train.log"; done
+  [ $stopped -eq 0 ] || return 75
 }
 
 export_all() {

@@ -469,6 +469,12 @@ def test_model_card_recipe_trains_a_fine_tunes_base_on_its_own_episodes():
     assert "0.5305, 2.7 min (the fine-tune's episodes)" in encode_row
     assert data_rows(own, {"batch": 4}) == ("256 episodes x 256 frames, roam policy, corridors 2 grid units wide, brick walls, "
                                            "3.2 min", "vae_scale (latent std) 0.5305, 2.7 min")
+    # a base world with no training record (an untrained checkpoint): its own rows, and the commands
+    # say plainly that the card cannot tell how the base was made
+    unrecorded = {**ft, "base": None}
+    assert data_rows(own, unrecorded) == data_rows(own, {"batch": 4})
+    with pytest.raises(SystemExit, match="'work/maze-world-mix', whose folder has no world_training.json"):
+        chain_commands(roam, unrecorded, {"steps": 5000})
 
 
 def test_train_world_records_the_recipe_flags_it_was_given():

@@ -78,47 +78,69 @@ def tiny_config(tmp_path):
     return tmp_path / "tiny.yaml"
 
 
-@pytest.mark.parametrize("together", ["0", "1"], ids=["in-turn-in-pieces", "at-once"])
-def test_the_recipe_makes_checkpoints_from_nothing(tmp_path, together):
+def test_the_recipe_makes_checkpoints_in_pieces_in_turn_and_at_once(tmp_path):
     """scripts/world_gpu.sh at a tiny size on the CPU: data, encode, two variants trained in turn
-    (each in two pieces, the second from the first's export with flags of its own) or at once, for
-    a time budget, each exported as a checkpoint that plays, with every stage timed."""
+    in two pieces (the second from the first's export, with flags of its own), each exported as a
+    checkpoint that plays, with every stage timed; run again, it trains nothing more. Then two
+    variants at once from the first run's world (INIT) in three pieces, the middle one with no
+    flags of its own, each record keeping the whole chain."""
     config = tiny_config(tmp_path)
-    pieces = together == "0"
     env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "EPISODES": "2", "FRAMES": "12", "WORKERS": "2",
-           "TOGETHER": together, "PIECES": "1:--ema,0.9" if pieces else "",
-           "TRAIN_SECONDS": "1", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32", "CLIP_FUTURE": "8",
-           "VARIANTS": f"open:turns:{config}:2 plain:turns:{config}:0", "LOOK": "flat", "TRAIN_FLAGS": "--self-rollout 2"}
-    proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=time_limit(600))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    times = (tmp_path / "run" / "times.tsv").read_text()
-    assert [line.split("\t")[0] for line in times.splitlines()[3:] if not line.startswith("#")] == \
-        ["data", "encode", "train", "export", "total"]
-    assert "--device cpu" in times.splitlines()[0]
-    for name in ("open", "plain"):
-        ckpt = tmp_path / "run" / name / "checkpoint"
-        assert all(f.stat().st_size <= 16 * 2**20 for f in ckpt.rglob("*") if f.is_file())
-        record = json.loads((ckpt / "world_training.json").read_text())
-        assert record["data"]["options"] == {"policy": "turns", "corridor": 2, "look": "flat"} and record["steps"] == 25
-        assert "--self-rollout 2" in record["runs"][-1]["options"]
-        if pieces:  # the last piece fine-tunes the first's export, and the record keeps both
-            first = tmp_path / "run" / name / "piece0" / "checkpoint"
-            assert record["init"] == str(first) and "--ema 0.9" in record["runs"][-1]["options"]
-            assert record["base"]["steps"] == 25 and "--ema" not in record["base"]["runs"][-1]["options"]
-        from inference.causvid_pipeline import CausvidPipeline
+           "PIECES": "1:--ema,0.9", "TRAIN_SECONDS": "1", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32",
+           "CLIP_FUTURE": "8", "VARIANTS": f"open:turns:{config}:2 plain:turns:{config}:0", "LOOK": "flat",
+           "TRAIN_FLAGS": "--self-rollout 2"}
+    runs = [("run", env), ("run2", {**env, "TOGETHER": "1", "PIECES": "1 1:--ema,0.9",
+                                     "INIT": str(tmp_path / "run" / "plain" / "checkpoint")})]
+    for work, setting in runs:
+        recipe = ["bash", "scripts/world_gpu.sh", str(tmp_path / work)]
+        proc = subprocess.run(recipe, cwd=REPO, env=setting, capture_output=True, text=True, timeout=time_limit(600))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        times = (tmp_path / work / "times.tsv").read_text()
+        assert [line.split("\t")[0] for line in times.splitlines()[3:] if not line.startswith("#")] == \
+            ["data", "encode", "train", "export", "total"]
+        assert "--device cpu" in times.splitlines()[0]
+        records = {}
+        for name in ("open", "plain"):
+            ckpt = tmp_path / work / name / "checkpoint"
+            assert all(f.stat().st_size <= 16 * 2**20 for f in ckpt.rglob("*") if f.is_file())
+            record = records[name] = json.loads((ckpt / "world_training.json").read_text())
+            assert record["data"]["options"] == {"policy": "turns", "corridor": 2, "look": "flat"}
+            assert record["steps"] == 25
+            assert "--self-rollout 2" in record["runs"][-1]["options"] and "--ema 0.9" in record["runs"][-1]["options"]
+            # each piece fine-tunes the export of the one before; the record keeps the chain
+            chain = [record]
+            while chain[-1].get("base"):
+                chain.append(chain[-1]["base"])
+            pieces = [str(tmp_path / work / name / f"piece{k}" / "checkpoint") for k in range(len(chain) - 1)]
+            expected = list(reversed(pieces)) + [None] if "INIT" not in setting else \
+                list(reversed(pieces[:2])) + [setting["INIT"]] + [str(tmp_path / "run/plain/piece0/checkpoint"), None]
+            assert [r["init"] for r in chain] == expected
+            assert ["--ema 0.9" in r["runs"][-1]["options"] for r in chain] == \
+                [True, False] + ([False, True, False] if "INIT" in setting else [])
+            from inference.causvid_pipeline import CausvidPipeline
 
-        pipe = CausvidPipeline.from_checkpoint(ckpt)
-        frame, _ = pipe([4.0, 0.0], [1] + [0] * 10)
-        assert frame.dtype == torch.uint8 and frame.shape == (64, 64, 3)
-    assert "--open-turn-weight 2" in json.loads((tmp_path / "run/open/checkpoint/world_training.json").read_text()) \
-        ["runs"][-1]["options"]
+            pipe = CausvidPipeline.from_checkpoint(ckpt)
+            frame, _ = pipe([4.0, 0.0], [1] + [0] * 10)
+            assert frame.dtype == torch.uint8 and frame.shape == (64, 64, 3)
+        assert "--open-turn-weight 2" in records["open"]["runs"][-1]["options"]
+        if work == "run":  # again: every piece is done, so nothing trains further
+            again = subprocess.run(recipe, cwd=REPO, env=setting, capture_output=True, text=True,
+                                   timeout=time_limit(600))
+            assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+            for name in ("open", "plain"):
+                assert "trained already" in (tmp_path / work / name / "train.log").read_text()
+                ckpt = tmp_path / work / name / "checkpoint"
+                assert json.loads((ckpt / "world_training.json").read_text())["runs"] == records[name]["runs"]
 
 
 @pytest.mark.parametrize("setting, named", [({"TOGETHER": "yes"}, "TOGETHER=yes"),
                                              ({"PIECES": "60 0:--self-rollout,6"}, "'0:--self-rollout,6'"),
                                              ({"PIECES": "a minute"}, "'a'"),
-                                             ({"INIT": "no/such/world"}, "INIT=no/such/world")])
+                                             ({"PIECES": "30:ema,0.9"}, "'30:ema,0.9'"),
+                                             ({"VARIANTS": "turns:turns:configs/maze_world_d128.yaml"},
+                                              "'turns:turns:configs/maze_world_d128.yaml'"),
+                                             ({"INIT": "no/such/world"}, "INIT=no/such/world"),
+                                             ({"INIT": "checkpoints/untrained-tiny"}, "no world_training.json")])
 def test_the_recipe_names_a_bad_setting_before_any_work(tmp_path, setting, named):
     env = {**os.environ, "PYTHON": sys.executable, **setting}
     proc = subprocess.run(["bash", "scripts/world_gpu.sh", str(tmp_path / "run")], cwd=REPO, env=env,
