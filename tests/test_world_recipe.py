@@ -223,6 +223,39 @@ def test_a_stage_stopped_by_a_signal_ends_the_piece_and_the_next_run_goes_on(tmp
     assert [(r[0], r[2], r[3:]) for r in rows[3:] if r[0] == "train"] == [("train", "1", ["stopped"]), ("train", "2", [])]
 
 
+def test_ctrl_c_in_the_recipe_stops_its_training_and_the_same_command_resumes_it(tmp_path):
+    """Ctrl-C while a variant trains: train_world saves and exits 75, and the recipe stops there
+    (75, not a failure, and no export of a half-trained world); the same command again goes on from
+    the saved step and exports the world."""
+    import signal
+    import time
+
+    config = tiny_config(tmp_path)
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "EPISODES": "2", "FRAMES": "12", "WORKERS": "2",
+           "TRAIN_SECONDS": "8", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32", "CLIP_FUTURE": "8",
+           "VARIANTS": f"solo:turns:{config}:0", "LOOK": "flat"}
+    env.pop("PIECE_SECONDS", None)
+    recipe = ["bash", "scripts/world_gpu.sh", str(tmp_path / "run")]
+    log = tmp_path / "run" / "solo" / "train.log"
+    proc = subprocess.Popen(recipe, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + time_limit(300)
+    while not (log.is_file() and "loss=" in log.read_text()):  # a step done: its stop handler is in place
+        assert proc.poll() is None and time.monotonic() < deadline, "the recipe ended before its training began"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=time_limit(120))
+    assert proc.returncode == 75, out[-2000:] + err[-2000:]
+    assert "train was stopped and saved where it was" in err and "failed" not in out + err
+    world = tmp_path / "run" / "solo" / "world"
+    assert (world / "train_state.pt").is_file() and not (world / "ema_core.pt").exists()
+    assert not (tmp_path / "run" / "solo" / "checkpoint").exists()
+    again = subprocess.run(recipe, cwd=REPO, env=env, capture_output=True, text=True, timeout=time_limit(600))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    runs = json.loads((tmp_path / "run" / "solo" / "checkpoint" / "world_training.json").read_text())["runs"]
+    assert len(runs) == 2 and runs[0]["from_step"] == 0 and 0 < runs[0]["to_step"] == runs[1]["from_step"]
+
+
 @pytest.mark.parametrize("frames", [48, 64])
 def test_the_longer_window_configs_hold_the_shipped_model(frames):
     """configs/maze_world_d128_wN.yaml: the shipped world's model (so --init fine-tunes it) with an
