@@ -107,10 +107,11 @@ train_variant() {  # NAME POLICY CONFIG WEIGHT: the first piece, then each of PI
       echo "$name: piece $k trained and exported already"
     else
       rc=0
-      $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$out" --config "$config" \
-        --batch "$BATCH" --steps 1000000 --seconds "$secs" --lr "$LR" --target-frac 0.5 \
-        --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" ${init:+--init "$init"} $COMPILE $PRECISION \
-        $TRAIN_FLAGS ${flags//,/ } || rc=$?
+      [ -f "$out/ema_core.pt" ] ||  # trained, not yet exported: export it only
+        $PY -m scripts.train_world --latents "$WORK/latents_$policy" --out "$out" --config "$config" \
+          --batch "$BATCH" --steps 1000000 --seconds "$secs" --lr "$LR" --target-frac 0.5 \
+          --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" ${init:+--init "$init"} $COMPILE $PRECISION \
+          $TRAIN_FLAGS ${flags//,/ } || rc=$?
       [ $rc -eq 0 ] || return $rc  # 75: stopped by a signal, its state saved
       if [ "$out" != "$WORK/$name/world" ]; then
         $PY -m scripts.export_checkpoint --latents "$WORK/latents_$policy" --data "$WORK/data_$policy" --vae "$VAE" \
