@@ -94,17 +94,19 @@ wait_all() {  # wait for every background job; fail if any failed
 train_variant() {  # NAME POLICY CONFIG WEIGHT: the first piece, then each of PIECES from the one before
   # A piece already done (exported, or the last one's EMA weights saved) is skipped, and one that was
   # stopped resumes from its saved state, so a rerun of a stopped run carries on where it was.
-  local name=$1 policy=$2 config=$3 weight=$4 init=$INIT k=0 piece secs flags out rc
+  local name=$1 policy=$2 config=$3 weight=$4 init=$INIT k=0 piece secs flags out init_next finished rc
   local pieces=("$TRAIN_SECONDS:" $PIECES)
   for piece in "${pieces[@]}"; do
     secs=${piece%%:*} flags=${piece#*:}
     [ "$flags" != "$piece" ] || flags=
-    out="$WORK/$name/world"
-    [ $((k + 1)) -eq ${#pieces[@]} ] || out="$WORK/$name/piece$k/world"
-    if [ "$out" = "$WORK/$name/world" ] && [ -f "$out/ema_core.pt" ]; then
-      echo "$name: trained already ($out/ema_core.pt)"
-    elif [ "$out" != "$WORK/$name/world" ] && [ -f "$WORK/$name/piece$k/checkpoint/model.safetensors" ]; then
-      echo "$name: piece $k trained and exported already"
+    if [ $((k + 1)) -eq ${#pieces[@]} ]; then  # the last piece: the world the export stage exports
+      out="$WORK/$name/world" init_next= finished="$out/ema_core.pt"
+    else
+      out="$WORK/$name/piece$k/world" init_next="$WORK/$name/piece$k/checkpoint"
+      finished="$init_next/model.safetensors"
+    fi
+    if [ -f "$finished" ]; then
+      echo "$name: piece $k trained already ($finished)"
     else
       rc=0
       [ -f "$out/ema_core.pt" ] ||  # trained, not yet exported: export it only
@@ -113,12 +115,12 @@ train_variant() {  # NAME POLICY CONFIG WEIGHT: the first piece, then each of PI
           --open-turn-weight "$weight" --save-every 500 --device "$DEVICE" ${init:+--init "$init"} $COMPILE $PRECISION \
           $TRAIN_FLAGS ${flags//,/ } || rc=$?
       [ $rc -eq 0 ] || return $rc  # 75: stopped by a signal, its state saved
-      if [ "$out" != "$WORK/$name/world" ]; then
+      if [ -n "$init_next" ]; then
         $PY -m scripts.export_checkpoint --latents "$WORK/latents_$policy" --data "$WORK/data_$policy" --vae "$VAE" \
-          --world "$out" --out "$WORK/$name/piece$k/checkpoint" --future "$CLIP_FUTURE" || return 1
+          --world "$out" --out "$init_next" --future "$CLIP_FUTURE" || return 1
       fi
     fi
-    [ "$out" = "$WORK/$name/world" ] || init="$WORK/$name/piece$k/checkpoint"
+    init=$init_next
     k=$((k + 1))
   done
 }

@@ -2,8 +2,11 @@
 episodes rendered by several processes, a wall-clock training budget, a contact sheet of any length."""
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -126,8 +129,6 @@ def test_the_recipe_makes_checkpoints_in_pieces_in_turn_and_at_once(tmp_path):
         assert "--open-turn-weight 2" in records["open"]["runs"][-1]["options"]
         if work == "run":  # again: every piece is done, so nothing trains further; a piece trained but
             # not exported (its export removed here) is exported again, not trained again
-            import shutil
-
             first = tmp_path / work / "open" / "piece0"
             runs_before = json.loads((first / "checkpoint" / "world_training.json").read_text())["runs"]
             shutil.rmtree(first / "checkpoint")
@@ -235,9 +236,6 @@ def test_ctrl_c_in_the_recipe_stops_its_training_and_the_same_command_resumes_it
     """Ctrl-C while a variant trains: train_world saves and exits 75, and the recipe stops there
     (75, not a failure, and no export of a half-trained world); the same command again goes on from
     the saved step and exports the world."""
-    import signal
-    import time
-
     config = tiny_config(tmp_path)
     env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "EPISODES": "2", "FRAMES": "12", "WORKERS": "2",
            "TRAIN_SECONDS": "8", "BATCH": "1", "COMPILE": "", "PRECISION": "--fp32", "CLIP_FUTURE": "8",
