@@ -46,6 +46,7 @@ from owl_wms.maze.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.maze.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
                                  scripted_rollout, simulator_responses, standard_error, teacher_forced, turn_following,
                                  turn_following_summary)
+from scripts.common import machine
 
 # scripted rollouts scored frame by frame beside the simulator (inference.actions' built-in scripts)
 SCRIPTS = {"walk_turn": "walk_and_turn", "turn": "turn_in_place"}
@@ -170,6 +171,8 @@ def main(argv=None):
     summaries = {SCRIPTS[name]: script_summary(runs) for name, runs in scripted.items()}
     report = {
         "command": " ".join(["python -m scripts.eval_world", *sys.argv[1:]]),
+        # the figures move a little with the dtype (bf16 or fp32) and the CPU's kernels
+        "settings": pipe.settings.describe(), "machine": machine(),
         "checkpoint": args.checkpoint, "weights": args.weights, "world": pipe.world.name, "seeds": seeds,
         "policy": args.policy, "schedule": list(pipe.schedule),
         "teacher_forced_psnr": float(np.mean([x[0] for r in tf for x in r])),

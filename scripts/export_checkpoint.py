@@ -153,7 +153,8 @@ def chain_commands(data: dict, train: dict, vae: dict, world_dir: str = "work/wo
     export = f"python -m scripts.export_checkpoint{latents}{data_arg}{vae_arg}" + \
         ("" if world_dir == "work/world" else f" --world {world_dir}")
     return lines + [f"{export}   # checkpoints/maze-world",
-                    "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
+                    "OWL_DTYPE=fp32 python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 "
+                    "--out eval/maze-world   # fp32: the same figures on every CPU",
                     f"{export} --eval eval/maze-world/eval.json   # MODEL.md with the evaluation"]
 
 
@@ -186,14 +187,18 @@ def data_rows(data: dict, train: dict) -> tuple[str, str]:
 
 
 def world_row(train: dict) -> str:
-    """MODEL.md's account of the world model's training, a fine-tune after its base."""
-    base = train.get("base") if train.get("init") else None
-    first = base or train
+    """MODEL.md's account of the world model's training: every run of the chain, from the first
+    world to the last fine-tune (each record keeps the one it started from as ``base``)."""
+    chain = [train]
+    while chain[-1].get("init") and chain[-1].get("base"):
+        chain.append(chain[-1]["base"])
+    first, *tunes = reversed(chain)
     text = (f"{first['steps']} steps x batch {first['batch']} x {first['frames']} frames, final loss "
             f"{first['final_loss']:.4f}, {minutes(first)}")
-    if base:
-        text += (f"; then {train['steps']} steps of fine-tuning x batch {train['batch']}, final loss "
-                 f"{train['final_loss']:.4f}, {minutes(train)}")
+    for before, tune in zip([first, *tunes], tunes):
+        frames = f" x {tune['frames']} frames" if tune.get("frames") != before.get("frames") else ""
+        text += (f"; then {tune['steps']} steps of fine-tuning x batch {tune['batch']}{frames}, final loss "
+                 f"{tune['final_loss']:.4f}, {minutes(tune)}")
     return text
 
 
@@ -333,7 +338,9 @@ def main(argv=None):
                      f"turn in place: {ev['turn_in_place']['sharpness_ratio_min']:.2f}) |"]
                     if "walk_and_turn" in ev else []),
                   f"| action sensitivity gap, frames {ev['gap_range'][0]}-{ev['gap_range'][1]} | "
-                  f"{db(ev, 'action_gap_db')} (target >= 1.5 dB) |",
+                  f"{db(ev, 'action_gap_db')}"
+                  + (f", lowest level {min(ev['per_level']['action_gap_db']):+.2f} dB"
+                     if "action_gap_db" in ev.get("per_level", {}) else "") + " (target >= 1.5 dB) |",
                   *([f"| diagnostic: repeat the last real frame (no model), teacher-forced | "
                      f"{ev['copy_previous_psnr']:.2f} dB |",
                      f"| diagnostic: action response, PSNR between predictions under true and foreign actions "
@@ -356,7 +363,9 @@ def main(argv=None):
                     if "rest_walk_psnr" in ev else []),
                   f"| held-out level seeds | {ev['seeds'][0]}..{ev['seeds'][-1]} (training used 0..{manifest.get('episodes', 256) - 1})"
                   f"{'; ± is one standard error of the mean over these levels' if 'standard_error' in ev else ''} |",
-                  "", f"Evaluation command: `{ev['command']}`; per-frame curve: `eval_curve.png`."]
+                  "", f"Evaluation command: `{ev['command']}`"
+                  + (f" ({ev['settings']}; {ev['machine']})" if "settings" in ev else "")
+                  + "; per-frame curve: `eval_curve.png`."]
         curve, sheet, turns, walk, spin = (Path(args.eval).with_name(n) for n in (
             "psnr_curve.png", "rollouts.png", "turns.png", "walk_and_turn.png", "turn_in_place.png"))
         if curve.is_file():

@@ -35,9 +35,13 @@ stage world        $PY -m scripts.train_world --latents $LATENTS --out work/worl
 stage export_base  $PY -m scripts.export_checkpoint --latents $LATENTS --data $DATA --vae $VAE --world work/world_128 --out work/maze-world-128
 stage world_ft     $PY -m scripts.train_world --latents $LATENTS --out work/ft128_more --batch 4 --steps 500 \
                      --config configs/maze_world_d128.yaml --lr 0.0003 --ema 0.98 --target-frac 0.5 --init work/maze-world-128 --compile "${DEV[@]}"
-stage export       $PY -m scripts.export_checkpoint --latents $LATENTS --data $DATA --vae $VAE --world work/ft128_more
-stage eval         $PY -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world
-stage model_card   $PY -m scripts.export_checkpoint --latents $LATENTS --data $DATA --vae $VAE --world work/ft128_more --eval eval/maze-world/eval.json
+stage export_d128  $PY -m scripts.export_checkpoint --latents $LATENTS --data $DATA --vae $VAE --world work/ft128_more --out work/maze-world-d128
+stage world_w64    $PY -m scripts.train_world --latents $LATENTS --out work/world_w64 --batch 4 --steps 800 \
+                     --config configs/maze_world_d128_w64.yaml --lr 0.0003 --ema 0.98 --target-frac 0.5 --init work/maze-world-d128 \
+                     --compile --open-turn-weight 2 "${DEV[@]}"
+stage export       $PY -m scripts.export_checkpoint --latents $LATENTS --data $DATA --vae $VAE --world work/world_w64
+stage eval         env OWL_DTYPE=fp32 $PY -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world
+stage model_card   $PY -m scripts.export_checkpoint --latents $LATENTS --data $DATA --vae $VAE --world work/world_w64 --eval eval/maze-world/eval.json
 
 end_stage_log
 cp "$LOG" checkpoints/maze-world/chain_times.tsv  # the shipped world keeps the times of the run that made it

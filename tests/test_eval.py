@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from owl_wms.config import load_config
 from owl_wms.maze.evaluation import frame_metrics, layout_psnr, sharpness, sharpness_ratio, standard_error
 from owl_wms.maze.simulator import MazeSim
 
@@ -115,15 +116,17 @@ def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32, capsys):
 
     short = ["--episodes", "1", "--frames", "2", "--tf-frames", "2", "--gap-range", "1", "2", "--turn-frames", "2",
              "--sheet-episodes", "0", "--script-frames", "2"]
+    window = load_config(eval_world.DEFAULT_CHECKPOINT / "config.yaml").pipeline.window_frames
     eval_world.main(short + ["--out", str(tmp_path / "two")])
-    eval_world.main(short + ["--schedule", "1", "0.5", "0.25", "0", "--rest-frames", "0", "--start", "40",
+    eval_world.main(short + ["--schedule", "1", "0.5", "0.25", "0", "--rest-frames", "0", "--start", str(window + 8),
                              "--out", str(tmp_path / "three")])
     two, three = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("two", "three"))
     assert two["schedule"] == [1.0, 0.25, 0.0] and three["schedule"] == [1.0, 0.5, 0.25, 0.0]
-    assert two["start"] == 32 and three["start"] == 40  # the shipped world's window, then --start
+    assert two["start"] == window and three["start"] == window + 8  # the shipped world's window, then --start
+    assert "dtype=float32" in two["settings"] and "threads" in two["machine"]  # what the figures were made with
     with pytest.raises(SystemExit):
-        eval_world.main(short + ["--start", "31", "--out", str(tmp_path / "early")])
-    assert "--start 31: must be at least the world's window, 32 frames" in capsys.readouterr().err
+        eval_world.main(short + ["--start", str(window - 1), "--out", str(tmp_path / "early")])
+    assert f"--start {window - 1}: must be at least the world's window, {window} frames" in capsys.readouterr().err
     # --rest-frames 0 skips the at-rest diagnostic (it used to report NaN); a negative count is refused
     assert "rest_walk_psnr" in two and "rest_walk_psnr" not in three
     with pytest.raises(SystemExit):

@@ -242,7 +242,7 @@ def test_fresh_levels_come_from_the_simulator_the_world_was_trained_on(tmp_path)
 def test_world_seed_starts_from_a_fresh_simulator_level(tmp_path):
     pipe = CausvidPipeline.from_checkpoint(verbose=False)
     clip = load_level(pipe, 3, future=40)
-    assert clip.name == "world-3" and clip.latents.shape == (32, pipe.cfg.channels, 8, 8) and clip.future_mouse.shape == (40, 2)
+    assert clip.name == "world-3" and clip.latents.shape == (pipe.window, pipe.cfg.channels, 8, 8) and clip.future_mouse.shape == (40, 2)
     a = pipe([0, 0], [0] * 11)[0]
     load_level(pipe, 4, future=40)
     assert not torch.equal(a, pipe([0, 0], [0] * 11)[0])
@@ -360,8 +360,8 @@ def test_bench_pipeline_measures_each_checkpoint_in_one_run(capsys):
     bench_pipeline.main(["--skip-prod", "--frames", "2", "--warmup", "1", "--prefill-rounds", "1",
                          "--checkpoint", str(tiny), "--checkpoint", str(world)])
     out = capsys.readouterr().out
-    d_model = load_config(world / "config.yaml").model.d_model
-    for name in (f"{tiny} (", f"{world} (maze-world, d_model {d_model}, window 32)"):
+    cfg = load_config(world / "config.yaml")
+    for name in (f"{tiny} (", f"{world} (maze-world, d_model {cfg.model.d_model}, window {cfg.pipeline.window_frames})"):
         # denoise+decode, denoise only and 2 prefill rows, each as measured and in the table
         assert out.count(name) == 8, out
     bench_pipeline.main(["--skip-prod", "--frames", "2", "--warmup", "1", "--prefill-rounds", "1",

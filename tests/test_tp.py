@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from owl_wms.config import load_config
 from owl_wms.parallel import ParallelContext, TPError
 from tests.conftest import REPO, time_limit, tiny_config
 
@@ -64,9 +65,10 @@ def test_tp2_gives_the_one_process_frames_through_cut_bias_and_recompute(tmp_pat
     assert frames[1].shape == (8, 64, 64, 3)
     assert np.array_equal(frames[1], frames[2]), np.abs(frames[1].astype(int) - frames[2]).max()
     agreed = next(line for line in log.splitlines() if "ranks agree at stop" in line)
-    tpf = 64
-    # epoch 2 after the cut; 4 frames since, with a recompute at the 3rd: W=32 anchor + 1 frame
-    assert "epoch=2 " in agreed and "frame=4 " in agreed and f"offset0={(32 + 1) * tpf} " in agreed, agreed
+    model = load_config(REPO / "checkpoints" / "maze-world" / "config.yaml")
+    tpf, window = model.model.tokens_per_frame, model.pipeline.window_frames
+    # epoch 2 after the cut; 4 frames since, with a recompute at the 3rd: the window's anchor + 1 frame
+    assert "epoch=2 " in agreed and "frame=4 " in agreed and f"offset0={(window + 1) * tpf} " in agreed, agreed
 
 
 def test_tp2_summing_partials_stays_within_rounding(tmp_path):

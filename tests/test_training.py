@@ -159,6 +159,20 @@ def test_decoder_only_fine_tune_keeps_the_encoder(chain, tmp_path):
         chain_commands({}, {"batch": 4, "steps": 8}, {**metrics, "base": None})
 
 
+def test_the_card_lists_every_training_run_of_a_chain_of_fine_tunes():
+    from scripts.export_checkpoint import world_row
+
+    def run(steps, frames, loss, seconds, base=None):
+        return {"steps": steps, "batch": 4, "frames": frames, "final_loss": loss, "seconds_all_runs": seconds,
+                "runs": [{}], "init": "a checkpoint" if base else None, "base": base}
+
+    chain = run(800, 64, 0.21, 3210, run(500, 32, 0.23, 590, run(3000, 32, 0.22, 3810)))
+    assert world_row(chain) == ("3000 steps x batch 4 x 32 frames, final loss 0.2200, 63.5 min in 1 run; "
+                                "then 500 steps of fine-tuning x batch 4, final loss 0.2300, 9.8 min in 1 run; "
+                                "then 800 steps of fine-tuning x batch 4 x 64 frames, final loss 0.2100, 53.5 min in 1 run")
+    assert world_row(chain["base"]["base"]).count("then") == 0
+
+
 def test_score_only_reports_the_held_out_psnr_the_training_recorded(chain, tmp_path, capsys):
     from scripts import train_vae
 
@@ -336,7 +350,7 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     card = (tmp_path / "ckpt" / "MODEL.md").read_text()
     gap, gap_se = report["action_gap_db"], report["standard_error"]["action_gap_db"]
     assert f"{report['teacher_forced_psnr']:.2f} dB ± {report['standard_error']['teacher_forced_psnr']:.2f} / " in card
-    assert f"| {gap:.2f} dB ± {gap_se:.2f} (target" in card and "one standard error of the mean" in card
+    assert f"| {gap:.2f} dB ± {gap_se:.2f}, lowest level " in card and "one standard error of the mean" in card
     assert "frame 16 | not measured" in card  # a 3-frame evaluation has no frame 16
     assert "`eval_rollouts.png`" in card and (tmp_path / "ckpt" / "eval_rollouts.png").is_file()
     assert "`eval_turns.png`" in card and (tmp_path / "ckpt" / "eval_turns.png").is_file()
@@ -354,6 +368,8 @@ def test_world_training_stage_runs_and_resumes(chain, tmp_path, capsys, monkeypa
     assert (f"facing a wall nearer than 1.6 {share(report['turn_following_near_wall'])} (one step "
             f"{share(report['turn_following_teacher_forced_near_wall'])}) |") in card
     assert f"| {report['rest_walk_psnr']:.2f} dB against {report['nudged_walk_psnr']:.2f} dB |" in card
+    assert f", lowest level {min(report['per_level']['action_gap_db']):+.2f} dB (target" in card
+    assert f"({report['settings']}; {report['machine']})" in card  # the dtype and CPU behind the figures
     # an evaluation from before the teacher-forced row (the shipped MODEL.md's) keeps its wording
     old = {k: v for k, v in report.items() if k not in ("sheet_rows", "turn_following_teacher_forced")}
     (tmp_path / "eval" / "old.json").write_text(json.dumps(old))
@@ -454,7 +470,8 @@ def test_model_card_recipe_trains_a_fine_tunes_base_on_its_own_episodes():
         "--init work/maze-world-mix",
         "python -m scripts.export_checkpoint --latents work/latents_roam_corridor2 --data work/data_roam_corridor2 "
         "--world work/ft",
-        "python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 --out eval/maze-world",
+        "OWL_DTYPE=fp32 python -m scripts.eval_world --checkpoint checkpoints/maze-world --euler-steps 16 "
+        "--out eval/maze-world",
         "python -m scripts.export_checkpoint --latents work/latents_roam_corridor2 --data work/data_roam_corridor2 "
         "--world work/ft --eval eval/maze-world/eval.json"]
     # a base exported before its record kept its episodes: the fine-tune's stand in, made once
