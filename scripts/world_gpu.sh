@@ -19,9 +19,10 @@
 # INIT fine-tunes a trained world (a checkpoint folder of the variants' model shape) instead of
 # starting from random weights. PIECES trains each variant on in further pieces, each from the one
 # before (exported to <work>/<name>/piece<K>), as space-separated SECONDS[:FLAGS] with the piece's own
-# train_world flags joined by commas; the recipe of the CPU's 64-frame worlds, scaled up:
-#     INIT=checkpoints/maze-world VARIANTS="w64:still+explore:configs/maze_world_d128_w64.yaml:0" LR=0.0003 \
-#     TRAIN_FLAGS="--ema 0.98" TRAIN_SECONDS=180 PIECES="120:--self-rollout,6 60 60:--self-rollout,6" \
+# train_world flags joined by commas; the shipped world's last stage (from the 32-frame world that
+# reproduce_world.sh exports), scaled up, then a self-rollout piece and a plain one:
+#     INIT=work/maze-world-d128 VARIANTS="w64o:still+explore:configs/maze_world_d128_w64.yaml:2" LR=0.0003 \
+#     TRAIN_FLAGS="--ema 0.98" TRAIN_SECONDS=180 PIECES="120:--self-rollout,6 60" \
 #     bash scripts/world_gpu.sh work/gpu
 # Each piece compiles again inside its budget (a process of its own); a rerun into the same WORK
 # skips the pieces already done and resumes a stopped one.
