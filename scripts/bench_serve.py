@@ -9,8 +9,8 @@ model calls, one after another), and with ``--decode-thread`` a batched one with
 ``OWL_DECODE=async`` (each step's frames decoded and encoded on a thread beside the model's), the
 same players against each; with ``--two-stages`` a batched one under torchrun with ``--pp 2``
 (rank 0 serves and decodes while rank 1 makes the next step, a thread each). In a round N websocket players
-on loopback play for --seconds (after a warm-up): each sends controls 20 times a second (a new
-seq each) and reads every frame.
+on loopback play for --seconds (after a warm-up counted from the last one's first frame): each sends
+controls 20 times a second (a new seq each) and reads every frame.
 Reported per players and server: aggregate frames a second, each player's frames a second and
 frame interval p50/p95, and key-to-frame latency p50/p95: from sending a controls message to
 the first frame that used it (its header's seq), measured at the player. With ``--compile

@@ -211,7 +211,7 @@ class ServerProcess:
                 self.proc.kill()
 
 
-async def player(url: str, seed: int, start: float, warmup: float, end: float) -> dict:
+async def player(url: str, seed: int, round_clock: "Round") -> dict:
     import websockets
 
     from inference.web.protocol import read_frame
@@ -222,7 +222,7 @@ async def player(url: str, seed: int, start: float, warmup: float, end: float) -
 
         async def send():
             seq, rng = 0, np.random.default_rng(seed)
-            while time.perf_counter() < end:
+            while not round_clock.over():
                 seq += 1
                 buttons = [int(b) for b in rng.random(11) < 0.2]
                 sent[seq] = time.perf_counter()
@@ -231,32 +231,81 @@ async def player(url: str, seed: int, start: float, warmup: float, end: float) -
                 await asyncio.sleep(1 / SEND_HZ)
 
         sender = asyncio.create_task(send())
-        while time.perf_counter() < end:
-            try:
-                message = await asyncio.wait_for(ws.recv(), max(0.01, end - time.perf_counter()))
-            except asyncio.TimeoutError:
-                break
-            except websockets.ConnectionClosed as closed:  # (full, say): the round reports no frames
-                print(f"warning: player {seed}'s socket closed: {closed}", flush=True)
-                break
-            if not isinstance(message, bytes):
-                continue
-            now = time.perf_counter()
-            _, used, _, _ = read_frame(message)
-            if now >= start + warmup:
-                arrivals.append(now)
-            if used is not None:
-                for s in [s for s in sent if s <= used]:
-                    if sent[s] >= start + warmup:
-                        latencies.append(now - sent[s])
-                    del sent[s]
-        sender.cancel()
+        try:
+            # Past the round's end, read on until the controls sent in it have been used (at most
+            # `drain` seconds): stopping at the end would drop the slowest answers and bias the latency low.
+            while not round_clock.over() or (sent and not round_clock.drained()):
+                try:
+                    message = await asyncio.wait_for(ws.recv(), round_clock.wait())
+                except asyncio.TimeoutError:
+                    continue
+                except websockets.ConnectionClosed as closed:  # (full, say): the round reports no frames
+                    print(f"warning: player {seed}'s socket closed: {closed}", flush=True)
+                    break
+                if not isinstance(message, bytes):
+                    continue
+                now = time.perf_counter()
+                round_clock.joined(seed)
+                _, used, _, _ = read_frame(message)
+                if round_clock.measures(now):
+                    arrivals.append(now)
+                if used is not None:
+                    for s in [s for s in sent if s <= used]:
+                        if round_clock.measures(sent[s], until_end=False):
+                            latencies.append(now - sent[s])
+                        del sent[s]
+        finally:
+            round_clock.joined(seed)  # a player that leaves never holds the others' round back
+            sender.cancel()
     return {"arrivals": arrivals, "latencies": latencies}
 
 
+class Round:
+    """One round's clock: it starts once every player has had its first frame (joins take
+    seconds on a busy machine and are not what a round measures), then `warmup` unmeasured
+    seconds, `seconds` measured, and at most `drain` more to hear the last controls answered."""
+
+    def __init__(self, players: int, seconds: float, warmup: float, drain: float = 5.0, join_timeout: float = 300.0):
+        self.waiting, self.seconds, self.warmup, self.drain = players, seconds, warmup, drain
+        self.seen: set[int] = set()
+        self.join_deadline = time.perf_counter() + join_timeout
+        self.start: float | None = None
+
+    def joined(self, player: int) -> None:
+        if player not in self.seen:
+            self.seen.add(player)
+            if len(self.seen) == self.waiting and self.start is None:
+                self.start = time.perf_counter()
+
+    def _start(self) -> float | None:
+        if self.start is None and time.perf_counter() > self.join_deadline:
+            self.start = self.join_deadline
+        return self.start
+
+    def end(self) -> float:
+        start = self._start()
+        return float("inf") if start is None else start + self.warmup + self.seconds
+
+    def over(self) -> bool:
+        return time.perf_counter() >= self.end()
+
+    def drained(self) -> bool:
+        return time.perf_counter() >= self.end() + self.drain
+
+    def wait(self) -> float:
+        """How long to wait for the next message before looking at the clock again."""
+        now, end = time.perf_counter(), self.end()
+        return max(0.01, min(0.5, (end if now < end else end + self.drain) - now))
+
+    def measures(self, t: float, until_end: bool = True) -> bool:
+        start = self._start()
+        return start is not None and start + self.warmup <= t and (not until_end or t < self.end())
+
+
 async def round_of(url: str, n: int, seconds: float, warmup: float) -> list[dict]:
-    start = time.perf_counter()
-    return await asyncio.gather(*[player(url, 100 + i, start, warmup, start + warmup + seconds) for i in range(n)])
+    """n players at once: `warmup` seconds after the last one's first frame, `seconds` measured."""
+    clock = Round(n, seconds, warmup)
+    return await asyncio.gather(*[player(url, 100 + i, clock) for i in range(n)])
 
 
 def summary(results: list[dict], seconds: float) -> dict:

@@ -69,9 +69,11 @@ def test_a_stop_signal_leaves_a_valid_mp4_and_exits_with_the_shell_s_status_for_
     proc = subprocess.Popen([sys.executable, "-m", "inference.game_cv", "--headless", "--frames", "2000",
                              "--out", str(out), "--sheet", str(sheet)], cwd=REPO, env={**ENV, "OWL_DECODE": decode},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    seen = []
-    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)
-    reader.start()
+    seen, said = [], []  # stderr as it comes (progress), stdout; each read to its end by its own thread
+    readers = [threading.Thread(target=lambda pipe=pipe, into=into: into.extend(iter(lambda: pipe.read(64), "")),
+                                daemon=True) for pipe, into in ((proc.stderr, seen), (proc.stdout, said))]
+    for reader in readers:
+        reader.start()
     deadline = time.time() + time_limit(120)
     def progress():
         done = re.findall(r"\| *(\d+)/2000", "".join(seen))
@@ -84,7 +86,10 @@ def test_a_stop_signal_leaves_a_valid_mp4_and_exits_with_the_shell_s_status_for_
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     else:
         proc.send_signal(stop)
-    stdout, _ = proc.communicate(timeout=time_limit(60))
+    proc.wait(timeout=time_limit(60))
+    for reader in readers:
+        reader.join(timeout=10)
+    stdout = "".join(said)
     assert proc.returncode == status, stdout + "".join(seen)
     # the background compile process (started after the first frame, maybe still importing torch)
     # leaves the Ctrl-C to the app: no KeyboardInterrupt from it
