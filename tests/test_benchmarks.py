@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -205,6 +206,22 @@ def test_bench_play_measures_the_window_with_and_without_overlay():
     out = bench("bench_play", "--frames", 3, "--scale", 1, env=env)
     for overlay in ("on ", "off"):
         assert re.search(rf"overlay {overlay}: total {NUMBER} FPS, pipeline {NUMBER} FPS \(3 frames\)", out), out
+
+
+def test_a_serving_round_starts_its_clock_once_every_player_has_joined():
+    from scripts.common import Round
+
+    clock = Round(2, seconds=1.0, warmup=0.5, drain=2.0)
+    clock.joined(100)
+    clock.joined(100)  # the same player's next frame: still one of two
+    assert clock.start is None and not clock.over() and not clock.measures(time.perf_counter())
+    clock.joined(101)
+    t0 = clock.start
+    assert t0 is not None and clock.end() == t0 + 1.5
+    assert [clock.measures(t0 + dt) for dt in (0.4, 0.6, 1.6)] == [False, True, False]
+    assert clock.measures(t0 + 1.6, until_end=False)  # a frame after the round still answers its controls
+    late = Round(2, seconds=1.0, warmup=0.5, join_timeout=0.0)  # a player that never joins holds no one back
+    assert late.end() <= time.perf_counter() + 1.5
 
 
 def test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_server(tmp_path):
