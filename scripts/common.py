@@ -211,62 +211,13 @@ class ServerProcess:
                 self.proc.kill()
 
 
-async def player(url: str, seed: int, round_clock: "Round") -> dict:
-    import websockets
-
-    from inference.web.protocol import read_frame
-
-    arrivals, latencies, sent = [], [], {}
-    async with websockets.connect(url.replace("http://", "ws://") + "/ws", max_size=2**22) as ws:
-        await ws.send(json.dumps({"type": "hello", "version": 1, "seed": seed}))
-
-        async def send():
-            seq, rng = 0, np.random.default_rng(seed)
-            while not round_clock.over():
-                seq += 1
-                buttons = [int(b) for b in rng.random(11) < 0.2]
-                sent[seq] = time.perf_counter()
-                await ws.send(json.dumps({"type": "controls", "mouse": [float(rng.normal() * 3), 0.0],
-                                          "buttons": buttons, "seq": seq}))
-                await asyncio.sleep(1 / SEND_HZ)
-
-        sender = asyncio.create_task(send())
-        try:
-            # Past the round's end, read on until the controls sent in it have been used (at most
-            # `drain` seconds): stopping at the end would drop the slowest answers and bias the latency low.
-            while not round_clock.over() or (sent and not round_clock.drained()):
-                try:
-                    message = await asyncio.wait_for(ws.recv(), round_clock.wait())
-                except asyncio.TimeoutError:
-                    continue
-                except websockets.ConnectionClosed as closed:  # (full, say): the round reports no frames
-                    print(f"warning: player {seed}'s socket closed: {closed}", flush=True)
-                    break
-                if not isinstance(message, bytes):
-                    continue
-                now = time.perf_counter()
-                round_clock.joined(seed)
-                _, used, _, _ = read_frame(message)
-                if round_clock.measures(now):
-                    arrivals.append(now)
-                if used is not None:
-                    for s in [s for s in sent if s <= used]:
-                        if round_clock.measures(sent[s], until_end=False):
-                            latencies.append(now - sent[s])
-                        del sent[s]
-        finally:
-            round_clock.joined(seed)  # a player that leaves never holds the others' round back
-            sender.cancel()
-    return {"arrivals": arrivals, "latencies": latencies}
-
-
 class Round:
     """One round's clock: it starts once every player has had its first frame (joins take
     seconds on a busy machine and are not what a round measures), then `warmup` unmeasured
     seconds, `seconds` measured, and at most `drain` more to hear the last controls answered."""
 
     def __init__(self, players: int, seconds: float, warmup: float, drain: float = 5.0, join_timeout: float = 300.0):
-        self.waiting, self.seconds, self.warmup, self.drain = players, seconds, warmup, drain
+        self.players, self.seconds, self.warmup, self.drain = players, seconds, warmup, drain
         self.seen: set[int] = set()
         self.join_deadline = time.perf_counter() + join_timeout
         self.start: float | None = None
@@ -274,7 +225,7 @@ class Round:
     def joined(self, player: int) -> None:
         if player not in self.seen:
             self.seen.add(player)
-            if len(self.seen) == self.waiting and self.start is None:
+            if len(self.seen) == self.players and self.start is None:
                 self.start = time.perf_counter()
 
     def _start(self) -> float | None:
@@ -300,6 +251,55 @@ class Round:
     def measures(self, t: float, until_end: bool = True) -> bool:
         start = self._start()
         return start is not None and start + self.warmup <= t and (not until_end or t < self.end())
+
+
+async def player(url: str, seed: int, clock: Round) -> dict:
+    import websockets
+
+    from inference.web.protocol import read_frame
+
+    arrivals, latencies, sent = [], [], {}
+    async with websockets.connect(url.replace("http://", "ws://") + "/ws", max_size=2**22) as ws:
+        await ws.send(json.dumps({"type": "hello", "version": 1, "seed": seed}))
+
+        async def send():
+            seq, rng = 0, np.random.default_rng(seed)
+            while not clock.over():
+                seq += 1
+                buttons = [int(b) for b in rng.random(11) < 0.2]
+                sent[seq] = time.perf_counter()
+                await ws.send(json.dumps({"type": "controls", "mouse": [float(rng.normal() * 3), 0.0],
+                                          "buttons": buttons, "seq": seq}))
+                await asyncio.sleep(1 / SEND_HZ)
+
+        sender = asyncio.create_task(send())
+        try:
+            # Past the round's end, read on until the controls sent in it have been used (at most
+            # `drain` seconds): stopping at the end would drop the slowest answers and bias the latency low.
+            while not clock.over() or (sent and not clock.drained()):
+                try:
+                    message = await asyncio.wait_for(ws.recv(), clock.wait())
+                except asyncio.TimeoutError:
+                    continue
+                except websockets.ConnectionClosed as closed:  # (full, say): the round reports no frames
+                    print(f"warning: player {seed}'s socket closed: {closed}", flush=True)
+                    break
+                if not isinstance(message, bytes):
+                    continue
+                now = time.perf_counter()
+                clock.joined(seed)
+                _, used, _, _ = read_frame(message)
+                if clock.measures(now):
+                    arrivals.append(now)
+                if used is not None:
+                    for s in [s for s in sent if s <= used]:
+                        if clock.measures(sent[s], until_end=False):
+                            latencies.append(now - sent[s])
+                        del sent[s]
+        finally:
+            clock.joined(seed)  # a player that leaves never holds the others' round back
+            sender.cancel()
+    return {"arrivals": arrivals, "latencies": latencies}
 
 
 async def round_of(url: str, n: int, seconds: float, warmup: float) -> list[dict]:
