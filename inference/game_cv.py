@@ -24,7 +24,7 @@ if __name__ == "__main__":  # first of all, before torch loads (seconds): say so
         print("[owl] starting ...", flush=True)
 
 from owl_wms.clips import check_clip, is_clip_index, load_clip, world_clips  # noqa: E402
-from owl_wms.config import ConfigError, WorldConfig, load_world  # noqa: E402
+from owl_wms.config import GUIDANCE_RANGE, ConfigError, WorldConfig, guidance_problem, load_world  # noqa: E402
 from owl_wms.engine import CausvidPipeline, LifecycleError  # noqa: E402
 from owl_wms.loading import SHIPPED_WORLD, WEIGHT_CHOICES, CheckpointError, weights_path  # noqa: E402
 from owl_wms.maze.worlds import check_simulator, load_level  # noqa: E402
@@ -46,13 +46,24 @@ HEADLESS = {"out": "rollout.mp4", "actions": "walk_turn", "sheet_every": 2}  # -
 
 
 def add_world_arguments(p: argparse.ArgumentParser) -> None:
-    """--checkpoint, --ckpt, --weights: which world to load (every app that loads one)."""
+    """--checkpoint, --ckpt, --weights: which world to load, and --guidance: how it is sampled
+    (every app that loads one; check_world_arguments checks them)."""
     p.add_argument("--checkpoint", default=str(SHIPPED_WORLD),
                    help="checkpoint folder with config.yaml, or a config file (default: the shipped world)")
     p.add_argument("--ckpt", default=None, help="weights file or shard index (default: model.safetensors, or its shards, beside the config)")
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
                    help="which weights of a trainer checkpoint ({model, ema, opt, steps}): its EMA copy or the "
                         "online model (default: EMA where the file has it, as the original loads)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help=f"control guidance: above 1 the view follows the mouse further, at one more model call a "
+                        f"frame (default: the checkpoint's pipeline.guidance; 1: none; "
+                        f"{GUIDANCE_RANGE[0]:g}-{GUIDANCE_RANGE[1]:g})")
+
+
+def check_world_arguments(p: argparse.ArgumentParser, args) -> None:
+    """A clear error for a --guidance out of range, before anything loads."""
+    if args.guidance is not None and (problem := guidance_problem(args.guidance)):
+        p.error(f"--guidance {args.guidance:g}: {problem}")
 
 
 def parse_args(argv=None):
@@ -115,6 +126,7 @@ def parse_args(argv=None):
     for flag, value, lo in (("--fps", args.fps, 0.1), ("--target-fps", args.target_fps, 1), ("--sensitivity", args.sensitivity, 0)):
         if value is not None and not (lo < value <= 1000 if lo == 0 else lo <= value <= 1000):
             p.error(f"{flag} {value}: must be a number in " + (f"({lo}, 1000]" if lo == 0 else f"[{lo}, 1000]"))
+    check_world_arguments(p, args)
     if args.clip is not None and args.world_seed is not None:
         p.error(f"--clip {args.clip} and --world-seed {args.world_seed} both choose where play starts; give one")
     if args.sheet_every is not None and args.sheet is None:
@@ -157,6 +169,8 @@ def run_settings(args, free_below: float = 0.3) -> tuple[WorldConfig, Settings, 
     other processes leave free (one process; TP ranks share the cores by count; ``free_below``:
     CoreBudget's)."""
     world = load_world(args.checkpoint)
+    if args.guidance is not None:
+        world = world.with_guidance(args.guidance)
     chosen = resolve_settings(world.inference)
     settings = with_threads(chosen, processes(args))
     budget = CoreBudget(settings.generator_threads, adaptive=chosen.threads == 0 and processes(args) == 1

@@ -46,6 +46,7 @@ from .flags import flag_message, warnings_as_lines  # noqa: E402
 from .signals import end_startup  # noqa: E402
 from .game_cv import (  # noqa: E402
     add_world_arguments,
+    check_world_arguments,
     compile_in_background,
     keep_graphs_between_starts,
     processes,
@@ -93,6 +94,7 @@ def parse_args(argv=None):
                    help="with --pp 2: ranks 1..N make the frames, each holding 1/N of the heads (launch with "
                         "torchrun --nproc-per-node N+1)")
     args = p.parse_args(argv)
+    check_world_arguments(p, args)
     if not 1 <= args.tp <= 64:
         p.error(f"--tp {args.tp}: must be a whole number in [1, 64]")
     if args.tp > 1 and args.pp != 2:

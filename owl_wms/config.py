@@ -53,6 +53,24 @@ PRODUCTION = dict(sample_size=8, channels=128, n_layers=16, n_heads=24, d_model=
                   n_frames=60, n_buttons=N_BUTTONS, causal=True, rope_impl="motion", local_window=16, global_window=None)
 
 
+GUIDANCE_RANGE = (0.0, 8.0)
+
+
+def guidance_problem(guidance) -> str | None:
+    """What is wrong with a control guidance scale (PipelineConfig.guidance), or None."""
+    lo, hi = GUIDANCE_RANGE
+    if is_number(guidance) and lo <= guidance <= hi:
+        return None
+    return f"must be a number in [{lo:g}, {hi:g}] (1: no guidance; 1.5 follows the mouse further)"
+
+
+def check_guidance(guidance, name: str = "guidance") -> float:
+    """A control guidance scale as a float, or a ValueError naming ``name``."""
+    if problem := guidance_problem(guidance):
+        raise ValueError(f"{name}={guidance!r} {problem}")
+    return float(guidance)
+
+
 def check_schedule(schedule, name: str = "schedule") -> tuple[float, ...]:
     """A sampler schedule as floats, refused unless it falls strictly from 1 to 0."""
     value = tuple(float(t) for t in schedule)
@@ -201,6 +219,10 @@ class PipelineConfig:
     history_alpha: float = 0.25
     # Denoising schedule t_0 = 1 > t_1 > ... > 0; history is noised at history_alpha.
     schedule: tuple[float, ...] = (1.0, 0.25, 0.0)
+    # Control guidance at the first step: v_rest + guidance * (v - v_rest), v_rest the prediction
+    # with the mouse at rest and the same keys. Above 1 the view follows the mouse further, at one
+    # more model call a frame; 1: none.
+    guidance: float = 1.0
     clips: str | None = None
 
 
@@ -225,6 +247,10 @@ class WorldConfig:
     name: str = "world"
     trained: bool = True
     path: Path | None = None
+
+    def with_guidance(self, guidance: float) -> "WorldConfig":
+        """This world sampled with another control guidance (PipelineConfig.guidance)."""
+        return dataclasses.replace(self, pipeline=dataclasses.replace(self.pipeline, guidance=check_guidance(guidance)))
 
     def resolve(self, relative: str | None) -> Path | None:
         if relative is None:
@@ -385,6 +411,7 @@ def _parse_world(raw: DictConfig, path: Path) -> WorldConfig:
     pipeline = PipelineConfig(**pipe)
     try:
         check_schedule(pipeline.schedule, "pipeline.schedule")
+        pipeline = dataclasses.replace(pipeline, guidance=check_guidance(pipeline.guidance, "pipeline.guidance"))
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     dec = _section(raw, "decoder", path)

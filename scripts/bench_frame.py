@@ -8,7 +8,7 @@ here carries Inductor's kernel-profiling hooks, so torch.profiler sees its kerne
 graphs do not (a graph is kept per Inductor setting, so these are compiled apart from theirs).
 
     python -m scripts.bench_frame [--frames 24] [--prod-layers 2] [--sessions 1 2 4 8] [--paths ...]
-                                  [--original PATH] [--json out.json]
+                                  [--guidance G] [--original PATH] [--json out.json]
 
 Per model (the shipped world or ``--checkpoint``'s; a production-shaped GameRFT, d_model 1536,
 24 heads, 64 tokens a frame, a 60-frame window, random weights, ``--prod-layers`` of its 16
@@ -318,6 +318,10 @@ def run_model(label, model, decoder, world, args, classes) -> list[dict]:
             ours += [Ours(f"{PATH[key][0]}, {other} ring", {**PATH[key][1], "OWL_RING_ATTENTION": other}, model,
                           decoder, world, history, dtype, args.device)
                      for key in ("whole", "eager") if key in args.paths]
+        if args.guidance is not None:  # the default and the eager path again, sampled with control guidance
+            ours += [Ours(f"{PATH[key][0]}, guidance {args.guidance:g}", PATH[key][1], model, decoder,
+                          world.with_guidance(args.guidance), history, dtype, args.device)
+                     for key in ("whole", "eager") if key in args.paths]
         if classes is not None:  # the original's frames are decoded by this repo's eager path (uncompiled decoder)
             paths.append(Original(classes, model, ours[0] if decoder is not None else None, world, history, dtype,
                                   args.device))
@@ -490,6 +494,9 @@ def main(argv=None):
     p.add_argument("--paths", nargs="+", default=PATHS, choices=PATHS, metavar="PATH",
                    help=f"paths to time (default: all of {' '.join(PATHS)}); the eager path always runs, as the "
                         f"reference, and {OTHER_RING} times the whole and eager paths chosen with the other ring kernel")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="also time the model compiled whole and the eager path sampled with this control guidance "
+                        "(its rest call: one more model call a frame; the frames walk with the mouse off rest)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--checkpoint", type=Path, default=None, help="a world's checkpoint folder (default: the shipped world)")
     p.add_argument("--json", default=None)
@@ -502,6 +509,10 @@ def main(argv=None):
     if any(not 1 <= n <= 64 for n in args.sessions) or len(set(args.sessions)) != len(args.sessions):
         raise SystemExit(f"error: --sessions {' '.join(map(str, args.sessions))}: each must be in [1, 64], and "
                          "given once")
+    from owl_wms.config import guidance_problem
+
+    if args.guidance is not None and (problem := guidance_problem(args.guidance)):
+        raise SystemExit(f"error: --guidance {args.guidance:g}: {problem}")
     classes = load_original(args.original) if args.original is not None else None
     import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor

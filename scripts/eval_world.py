@@ -41,7 +41,7 @@ from tqdm import tqdm
 from inference.actions import load_actions
 from inference.causvid_pipeline import DEFAULT_CHECKPOINT, CausvidPipeline
 from inference.flags import resolve_settings, with_threads
-from owl_wms.config import load_world
+from owl_wms.config import guidance_problem, load_world
 from owl_wms.maze.data import HELD_OUT_SEED, POLICY_STYLES
 from owl_wms.maze.evaluation import (Episode, action_response, autoregressive, copy_previous, held_controls_psnr, rollout_sheet,
                                  scripted_rollout, simulator_responses, standard_error, teacher_forced, turn_following,
@@ -102,6 +102,9 @@ def main(argv=None):
     p.add_argument("--schedule", type=float, nargs="+", default=None,
                    help="sampler noise levels from 1 to 0 (default: the checkpoint's; the cache is written "
                         "at the last step), e.g. many Euler steps to the cache-write level to score a teacher")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="control guidance at the first step (default: the checkpoint's pipeline.guidance; 1: none), "
+                        "e.g. 1.5 for a view that follows the mouse further")
     p.add_argument("--out", default="eval")
     args = p.parse_args(argv)
     if args.script_frames < 1:
@@ -115,6 +118,10 @@ def main(argv=None):
                                            settings=with_threads(resolve_settings(world.inference)))
     if args.schedule:
         pipe.schedule = tuple(args.schedule)
+    if args.guidance is not None:
+        if problem := guidance_problem(args.guidance):
+            p.error(f"--guidance {args.guidance:g}: {problem}")
+        pipe.guidance = args.guidance
     pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise
     seeds = [HELD_OUT_SEED + args.seed_offset + i for i in range(args.episodes)]
     lo, hi = args.gap_range
@@ -174,7 +181,7 @@ def main(argv=None):
         # the figures move a little with the dtype (bf16 or fp32) and the CPU's kernels
         "settings": pipe.settings.describe(), "machine": machine(),
         "checkpoint": args.checkpoint, "weights": args.weights, "world": pipe.world.name, "seeds": seeds,
-        "policy": args.policy, "schedule": list(pipe.schedule),
+        "policy": args.policy, "schedule": list(pipe.schedule), "guidance": pipe.guidance,
         "teacher_forced_psnr": float(np.mean([x[0] for r in tf for x in r])),
         "teacher_forced_ssim": float(np.mean([x[1] for r in tf for x in r])),
         "ar_psnr": ar_psnr, "ar_ssim": ar_ssim,

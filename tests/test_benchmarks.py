@@ -109,7 +109,7 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
     # of its own (tens of seconds of CPU; test_compiled and test_kv_quant compile those modes).
     out = bench("bench_frame", "--checkpoint", tiny2, "--frames", 1, "--warmup", 1, "--profile-frames", 1,
                 "--prod-layers", 0, "--dtype", "fp32", "--sessions", 1, "--json", tmp_path / "frame.json",
-                "--paths", "roll", "other-ring", quiet_seconds=600)
+                "--paths", "roll", "other-ring", "--guidance", 1.5, quiet_seconds=600)
     assert f"world untrained-tiny ({tiny2}): " in out, out
     report = json.loads((tmp_path / "frame.json").read_text())
     rows = report["rows"]
@@ -117,9 +117,9 @@ def test_bench_frame_times_every_path_against_the_default_and_the_floor(tmp_path
     assert sorted(a["keys"] for a in report["attention"]) == [8 * 64, 32 * 64]
     assert all(a["dtype"] == "float32" and a["sdpa_us"] > 0 and a["matmul_us"] > 0 for a in report["attention"])
     assert [r["path"] for r in rows] == ["eager, int8 in-place", "eager, bf16 roll (the original's layout)",
-                                         "eager, int8 in-place, matmul ring"]
+                                         "eager, int8 in-place, matmul ring", "eager, int8 in-place, guidance 1.5"]
     # float32 rings attend by SDPA (auto); eager runs beside the other kernel; roll has no ring
-    assert [r["ring_attention"] for r in rows] == ["sdpa", None, "matmul"]
+    assert [r["ring_attention"] for r in rows] == ["sdpa", None, "matmul", "sdpa"]
     assert rows[0]["x_eager"] == 1.0 and all(r["x_original"] is None for r in rows)  # no --original given
     for r in rows:
         assert r["dtype"] == "float32" and r["calls_ms"] > 0 and r["decode_ms"] > 0 and r["floor_ms"] > 0
@@ -245,6 +245,7 @@ def test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_serve
     ("bench_serve", ["--players", "0"], "--players, --seconds and --rounds must be positive"),
     ("bench_shared_cores", ["--serve", "0"], "--serve 0: give 1 to 600 seconds"),
     ("bench_frame", ["--prod-layers", "17"], "--prod-layers 17: the production model has 16 layers"),
+    ("bench_frame", ["--guidance", "9"], "--guidance 9: must be a number in [0, 8]"),
     ("bench_frame", ["--original", "/nowhere"], "--original /nowhere: no owl_wms/models/gamerft.py there"),
 ])
 def test_benchmark_arguments_out_of_range_are_one_line_errors(module, args, message):

@@ -110,7 +110,7 @@ def test_eval_command_on_two_short_episodes(tmp_path, fp32):
 
 
 def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32, capsys):
-    """--schedule replaces the checkpoint's sampler (recorded in the report); a bad one is refused.
+    """--schedule and --guidance replace the checkpoint's sampler (recorded in the report); bad ones are refused.
     --start scores later frames (recorded), never earlier than the world's window."""
     from scripts import eval_world
 
@@ -119,9 +119,13 @@ def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32, capsys):
     window = load_config(eval_world.DEFAULT_CHECKPOINT / "config.yaml").pipeline.window_frames
     eval_world.main(short + ["--out", str(tmp_path / "two")])
     eval_world.main(short + ["--schedule", "1", "0.5", "0.25", "0", "--rest-frames", "0", "--start", str(window + 8),
-                             "--out", str(tmp_path / "three")])
+                             "--guidance", "1.5", "--out", str(tmp_path / "three")])
     two, three = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("two", "three"))
     assert two["schedule"] == [1.0, 0.25, 0.0] and three["schedule"] == [1.0, 0.5, 0.25, 0.0]
+    assert two["guidance"] == 1.0 and three["guidance"] == 1.5
+    with pytest.raises(SystemExit):
+        eval_world.main(short + ["--guidance", "-2", "--out", str(tmp_path / "unguided")])
+    assert "--guidance -2: must be a number in [0, 8]" in capsys.readouterr().err
     assert two["start"] == window and three["start"] == window + 8  # the shipped world's window, then --start
     assert "dtype=float32" in two["settings"] and "threads" in two["machine"]  # what the figures were made with
     with pytest.raises(SystemExit):

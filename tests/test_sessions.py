@@ -37,8 +37,8 @@ def events(pipe, i: int, f: int):
         pipe.kv_cache_attention_bias = -1.0
 
 
-def batched(cfg, model, settings, n, frames, with_events=True):
-    batch = Sessions(model, None, tiny_world(cfg, WINDOW), settings, capacity=n, verbose=False)
+def batched(cfg, model, settings, n, frames, with_events=True, guidance=1.0):
+    batch = Sessions(model, None, tiny_world(cfg, WINDOW).with_guidance(guidance), settings, capacity=n, verbose=False)
     pipes = [batch.open(seed=10 + i, clip=None) for i in range(n)]
     for i, pipe in enumerate(pipes):
         pipe.prefill(*history(cfg, seed=i))
@@ -54,8 +54,9 @@ def batched(cfg, model, settings, n, frames, with_events=True):
     return [torch.cat(x, dim=1) for x in out], pipes
 
 
-def alone(cfg, model, settings, i, frames):
-    pipe = CausvidPipeline(model, None, tiny_world(cfg, WINDOW), settings.replace(seed=10 + i), verbose=False)
+def alone(cfg, model, settings, i, frames, guidance=1.0):
+    world = tiny_world(cfg, WINDOW).with_guidance(guidance)
+    pipe = CausvidPipeline(model, None, world, settings.replace(seed=10 + i), verbose=False)
     pipe.prefill(*history(cfg, seed=i))
     out = []
     for f, (mouse, buttons) in enumerate(actions(100 + i, frames)):
@@ -71,17 +72,18 @@ def alone(cfg, model, settings, i, frames):
 TOLERANCE = {"bf16": 1e-4, "int8": 0.05}
 
 
-@pytest.mark.parametrize("storage", ["bf16", "int8"])
-def test_each_session_in_a_batch_makes_its_frames_alone(storage):
+@pytest.mark.parametrize("storage,guidance", [("bf16", 1.0), ("int8", 1.0), ("bf16", 1.5)])
+def test_each_session_in_a_batch_makes_its_frames_alone(storage, guidance):
     """Three sessions, each with its own history, seed, controls and events (a hard cut, a bias
     change, recomputes), over 16 frames (three wrap-arounds of the 5-slot ring): each session's
-    latents are the latents the same session makes in a pipeline of its own."""
+    latents are the latents the same session makes in a pipeline of its own, with control
+    guidance too (the rest call is batched like the others)."""
     cfg = tiny_config()
     model = random_model(cfg)
     settings = fp32_settings(kv=RING[storage], kv_recompute_every=4)
-    frames, pipes = batched(cfg, model, settings, 3, 16)
+    frames, pipes = batched(cfg, model, settings, 3, 16, guidance=guidance)
     for i in range(3):
-        assert (frames[i] - alone(cfg, model, settings, i, 16)).abs().max() <= TOLERANCE[storage]
+        assert (frames[i] - alone(cfg, model, settings, i, 16, guidance)).abs().max() <= TOLERANCE[storage]
     assert [p.cache_epoch for p in pipes] == [1, 2, 1]  # the cut was the second session's alone
     assert [p.kv_cache_attention_bias for p in pipes] == [0.0, 0.0, -1.0]
 

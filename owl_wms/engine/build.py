@@ -46,7 +46,8 @@ def startup_text(pipe, n_params: int) -> str:
     cfg, s, runner = pipe.world.model, pipe.settings, pipe.runner
     text = (f"[owl] world={pipe.world.name}{label} params={n_params / 1e6:.1f}M{per_rank}{weights} "
             f"rope={cfg.rope_impl} window={pipe.window} alpha={pipe.alpha} "
-            f"schedule={'>'.join(f'{t:g}' for t in pipe.schedule)} | {s.describe()}")
+            f"schedule={'>'.join(f'{t:g}' for t in pipe.schedule)}"
+            f"{f' guidance={pipe.guidance:g}' if pipe.guidance != 1 else ''} | {s.describe()}")
     for part in (pipe.tp, pipe.stages):
         if part is not None:
             text += "\n" + part.describe()

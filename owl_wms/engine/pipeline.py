@@ -71,6 +71,8 @@ class CausvidPipeline:
 
     schedule = property(lambda self: self.planner.schedule, lambda self, v: setattr(self.planner, "schedule", v),
                         doc="the sampler's t_0 = 1 > ... > t_K = 0 (evaluation swaps in a many-step Euler one)")
+    guidance = property(lambda self: self.planner.guidance, lambda self, v: setattr(self.planner, "guidance", v),
+                        doc="the first step's control guidance (PipelineConfig.guidance; 1: none)")
     last_controls = property(lambda self: self.planner.last_controls, doc="(mouse, buttons) the last frame used")
     cache_epoch = property(lambda self: self.lifecycle.epoch, doc="+1 at every hard cut (a new history); 0 before")
     frame_index = property(lambda self: self.lifecycle.frame_index, doc="frames added since the last hard cut")
@@ -159,7 +161,7 @@ class CausvidPipeline:
         if not plan.generates:
             return self.planner.finish(plan, None, calls)
         x = self.runner.denoise(*self.runner.inputs(plan.noise, plan.mouse.view(1, 1, 2), plan.buttons.view(1, 1, N_BUTTONS)),
-                                self.cache, self.schedule, plan.bias, plan.commit, self._after_step)
+                                self.cache, self.schedule, plan.bias, plan.commit, self._after_step, self.guidance)
         self.finish_frame(plan, x, calls + self.runner.calls - before)
         return x
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from ..config import WorldConfig, check_schedule
+from ..config import WorldConfig, check_guidance, check_schedule
 from ..controls import as_controls
 from ..sampler import NoiseStream
 from ..settings import Settings
@@ -17,12 +17,18 @@ from .lifecycle import Lifecycle, Phase, StepPlan, check_history
 from .replay import ClipReplay
 
 
+def calls_per_frame(schedule, guidance: float) -> int:
+    """Model calls a generated frame makes: a step each, and the rest call of guidance."""
+    return len(schedule) - 1 + (guidance != 1)
+
+
 class FramePlanner:
     def __init__(self, world: WorldConfig, settings: Settings, noise_device, ground_truth: bool = False):
         cfg, p = world.model, world.pipeline
         self.cfg, self.window, self.alpha, self.recompute_from = cfg, p.window_frames, p.history_alpha, settings.kv_recompute_anchor
         self.lifecycle = Lifecycle(len(p.schedule) - 1, settings.kv_recompute_every, settings.kv_cache_attention_bias)
-        self.schedule = p.schedule
+        self._guidance = 1.0
+        self.schedule, self.guidance = p.schedule, p.guidance
         self.noise = NoiseStream(settings.seed, noise_device, (1, 1, cfg.channels, cfg.sample_size, cfg.sample_size))
         self.recompute_anchor, self.replay = RecomputeAnchor(self.window), ClipReplay(world, ground_truth)
         self.last_controls = None  # (mouse, buttons) the last frame used: the player's or the clip's (GT)
@@ -35,7 +41,17 @@ class FramePlanner:
     @schedule.setter
     def schedule(self, value):
         self._schedule = check_schedule(value)
-        self.lifecycle.n_steps = len(self._schedule) - 1
+        self.lifecycle.n_steps = calls_per_frame(self._schedule, self._guidance)
+
+    @property
+    def guidance(self) -> float:
+        """The first step's control guidance (PipelineConfig.guidance; 1: none)."""
+        return self._guidance
+
+    @guidance.setter
+    def guidance(self, value):
+        self._guidance = check_guidance(value)
+        self.lifecycle.n_steps = calls_per_frame(self._schedule, self._guidance)
 
     def check(self, history, mouse=None, buttons=None):
         """(history, mouse, buttons) of a new history, controls defaulting to none; or a clear error."""

@@ -162,16 +162,24 @@ class ModelRunner:
             cache.disable_cache_updates()
 
     @torch.no_grad()
-    def denoise(self, x, mouse, buttons, cache, schedule, bias, commit, after_step=None) -> torch.Tensor:
+    def denoise(self, x, mouse, buttons, cache, schedule, bias, commit, after_step=None,
+                guidance: float = 1.0) -> torch.Tensor:
         """Frames from noise ``x`` [b, 1, c, h, w] down ``schedule``, one model call a step over
         ``cache``; the last step writes the frames whose ``commit`` (a bool, or [b] over the ring)
-        is set. ``after_step(i, velocity)`` sees each step's prediction."""
+        is set. ``after_step(i, velocity)`` sees each step's prediction. ``guidance`` other than 1
+        makes the first step's prediction ``v_rest + guidance * (v - v_rest)``, ``v_rest`` the
+        prediction with the mouse at rest (PipelineConfig.guidance), in one more call."""
         last = len(schedule) - 2
         steps = [torch.full((x.shape[0], 1), t, device=x.device, dtype=x.dtype) for t in schedule[:-1]]
         no = torch.zeros_like(commit) if torch.is_tensor(commit) else False
 
         def velocity(x, t, i):
+            # the rest call comes first: a one-step schedule's call below writes the cache
+            rest = self.call(x, steps[i], torch.zeros_like(mouse), buttons, cache, bias, no) \
+                if i == 0 and guidance != 1 else None
             v = self.call(x, steps[i], mouse, buttons, cache, bias, commit if i == last else no)
+            if rest is not None:
+                v = torch.lerp(rest, v, guidance)
             if after_step is not None:
                 after_step(i, v)
             return v

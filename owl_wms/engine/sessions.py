@@ -49,6 +49,7 @@ class Sessions:
             raise ValueError("the ring guard (OWL_RING_GUARD) checks one session's cache; run it without --sessions")
         self.world, self.model, self.decoder, self.weights = world, model, decoder, weights
         self.window, self.alpha, self.schedule = world.pipeline.window_frames, world.pipeline.history_alpha, world.pipeline.schedule
+        self.guidance = world.pipeline.guidance  # every session's planner counts its call from the world too
         self.tp = None  # rank 0 never splits the heads; a mesh that does votes in its stage (SessionsMesh)
         self.stages = None if pp is None else SessionsFirstStage(self, pp) if pp.is_leader else SessionsMesh(self, pp, tp)
         self.capacity = capacity
@@ -142,7 +143,8 @@ class Sessions:
             x[r], mouse[r, 0], buttons[r, 0] = plan.noise[0], plan.mouse, plan.buttons
             commit[r], bias[r] = plan.commit, plan.bias
         before = self.runner.calls
-        out = self.runner.denoise(x, mouse, buttons, self.ring.rows(0, n), self.schedule, bias.to(dev), commit.to(dev))
+        out = self.runner.denoise(x, mouse, buttons, self.ring.rows(0, n), self.schedule, bias.to(dev), commit.to(dev),
+                                   guidance=self.guidance)
         latents = {}
         for pipe in order:  # each session made its frame in the batch's calls
             latent = latents[pipe] = out[self.rows[pipe]][None]

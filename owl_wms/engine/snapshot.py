@@ -1,7 +1,7 @@
 """Pipeline snapshots: the cache, offsets, lifecycle, recompute anchor, noise generator and
 replay position, as tensors + metadata, in memory or in a safetensors file (two stages: the
 cache comes from and goes back to the generating rank). A snapshot loads
-only into a pipeline of the same world, model, window, schedule and settings, and then
+only into a pipeline of the same world, model, window, schedule, guidance and settings, and then
 continues with identical frames."""
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ PARTS = ("noise", "lifecycle", "anchor", "replay", "cache")
 
 
 def identity(pipe) -> str:
-    """What a snapshot must match: world, model config, window, schedule and settings."""
+    """What a snapshot must match: world, model config, window, schedule, guidance and settings."""
     s = {k: str(v) for k, v in vars(pipe.settings).items() if k not in VOLATILE}
-    text = json.dumps([pipe.world.name, pipe.cfg.to_dict(), pipe.window, list(pipe.schedule), pipe.alpha, s],
+    guided = [pipe.guidance] if pipe.guidance != 1 else []  # unguided snapshots keep their identity
+    text = json.dumps([pipe.world.name, pipe.cfg.to_dict(), pipe.window, list(pipe.schedule), pipe.alpha, s, *guided],
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
