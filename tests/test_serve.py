@@ -50,14 +50,14 @@ def assert_frames_alone(shown: dict, want: np.ndarray, what) -> None:
         assert diff.mean() <= DRIFT_TOLERANCE and local, (what, index, diff.mean(), blocks.max(), diff.max())
 
 
-def alone(tmp_path, seed: int, actions, frames: int, name: str, start=("--clip", "0")) -> np.ndarray:
+def alone(tmp_path, seed: int, actions, frames: int, name: str, start=("--clip", "0"), extra=()) -> np.ndarray:
     """The frames a headless run of one session makes with these actions (a list or an action file)."""
     if not isinstance(actions, str):
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps({"mouse": list(m), "buttons": list(b)}) + "\n" for m, b in actions))
         actions = str(path)
     out = tmp_path / f"{name}.npy"
-    r = run_main("inference.game_cv", ["--headless", "--seed", seed, *start, "--actions", actions, "--frames", frames,
+    r = run_main("inference.game_cv", ["--headless", "--seed", seed, *start, *extra, "--actions", actions, "--frames", frames,
                                        "--out", tmp_path / f"{name}.mp4", "--scale", 1, "--save-frames", out], env=FP32)
     assert r.returncode == 0, r.stderr
     return np.load(out)
@@ -78,14 +78,15 @@ def play_with_a_restart(players, frames: int, restart_at: int, mouse) -> None:
         p.close()
 
 
-def assert_frames_of_runs_alone(tmp_path, players, first_seed: int, least: int) -> None:
+def assert_frames_of_runs_alone(tmp_path, players, first_seed: int, least: int, extra=()) -> None:
     """Page i (seed ``first_seed`` + i) got at least ``least`` frames, each within the tolerance
-    of a headless run of its session's saved actions alone (``assert_frames_alone``)."""
+    of a headless run of its session's saved actions alone (``assert_frames_alone``; ``extra``:
+    more arguments of that run)."""
     for i, p in enumerate(players):
         actions = tmp_path / "actions" / f"session-{p.welcome['session']}.jsonl"
         made = sum(1 for line in actions.read_text().splitlines() if "mouse" in line)
         assert made >= len(p.frames) >= least  # frames made while a page closed were never read
-        want = alone(tmp_path, first_seed + i, str(actions), made, f"p{i}")
+        want = alone(tmp_path, first_seed + i, str(actions), made, f"p{i}", extra=extra)
         assert_frames_alone({k: image for k, _, _, image in p.frames}, want, i)
 
 # (message, the error code it gets) on a session that said hello
@@ -372,6 +373,21 @@ def test_decoding_beside_the_model_thread_serves_each_player_the_frames_of_its_r
         assert index == sorted(index) and len(set(index)) == len(index)  # in order, none twice
         assert len({f[2] for f in p.frames}) == 1 + i  # the restart started a new cache epoch
     assert_frames_of_runs_alone(tmp_path, players, 30, least=14)
+
+
+def test_a_guided_server_serves_each_player_the_frames_its_replay_command_makes_alone(tmp_path):
+    """--guidance 1.5: the rest call is batched like every other call, and each session's saved
+    start names the guidance, so its replay command makes the frames the page got."""
+    with Server("--max-sessions", 2, "--guidance", 1.5, "--save-actions", tmp_path / "actions", env=FP32) as server:
+        players = [Player(server.ws_url, seed=60 + i, format="png") for i in range(2)]
+        play_with_a_restart(players, 10, restart_at=4, mouse=lambda i: (4.0 - 8.0 * i, 0.0))
+    for p in players:
+        meta = json.loads((tmp_path / "actions" / f"session-{p.welcome['session']}.json").read_text())
+        assert meta["guidance"] == 1.5 and " --guidance 1.5 " in meta["replay"]
+    assert_frames_of_runs_alone(tmp_path, players, 60, least=8, extra=("--guidance", "1.5"))
+    guided = np.load(tmp_path / "p0.npy")  # the first page's run alone, above
+    unguided = alone(tmp_path, 60, str(tmp_path / "actions" / "session-0.jsonl"), len(guided), "unguided")
+    assert np.abs(guided.astype(int) - unguided.astype(int)).mean() > 1  # the guidance changed the frames
 
 
 def test_two_stages_serve_each_player_the_frames_of_its_run_alone(tmp_path):

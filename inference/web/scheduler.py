@@ -433,8 +433,11 @@ class Scheduler(threading.Thread):
         folder.mkdir(parents=True, exist_ok=True)
         stem = folder / f"session-{player.number}"
         start = (f"--world-seed {player.level}" if player.level is not None else f"--clip {player.clip}")
+        guidance = self.sessions.guidance
+        guided = f"--guidance {guidance:g} " if guidance != 1 else ""
         meta = {"session": player.number, "seed": player.seed, **player.start, "settings": self.sessions.settings.describe(),
-                "replay": f"python -m inference.game_cv --headless --seed {player.seed} {start} "
+                "guidance": guidance,
+                "replay": f"python -m inference.game_cv --headless --seed {player.seed} {start} {guided}"
                           f"--actions {stem}.jsonl --out session-{player.number}.mp4"}
         stem.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
         player.actions = open(stem.with_suffix(".jsonl"), "w")
