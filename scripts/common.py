@@ -158,34 +158,44 @@ SEND_HZ = 20.0  # controls messages a second from each player
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict, log: str, launch: list[str] | None = None):
-        """A server whose output goes to the file ``log`` (and ``lines``); ``launch``: what starts
-        it instead of this python (torchrun)."""
+    def __init__(self, args: list[str], env: dict, log: str | None = None, launch: list[str] | None = None,
+                 cwd=None):
+        """``python -m inference.serve --port 0 ARGS``, its output kept in ``lines`` (and written to
+        the file ``log``); ``launch``: what starts the module instead of this python (torchrun)."""
         self.launched = bool(launch)
         self.proc = subprocess.Popen([*(launch or [sys.executable]), "-m", "inference.serve", "--port", "0", *args],
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=self.launched)
         self.lines: list[str] = []
         self.log = log
-        threading.Thread(target=self._drain, daemon=True).start()
+        self.drain = threading.Thread(target=self._drain, daemon=True)
+        self.drain.start()
         self.url = None
 
     def _drain(self):
-        with open(self.log, "w") as f:
+        with open(self.log or os.devnull, "w") as f:
             for line in self.proc.stdout:
                 self.lines.append(line)
                 f.write(line)
                 f.flush()
 
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
     def wait_ready(self, timeout: float = 300) -> str:
+        """The URL the server printed, once it serves; SystemExit with its output if it stopped or
+        took longer."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
             found = [m.group(1) for line in list(self.lines) if (m := re.search(r"serving at (http://\S+?)/ ", line))]
             if found:
                 self.url = found[0]
                 return self.url
-            time.sleep(0.1)
-        raise SystemExit("error: a server did not start:\n" + "".join(self.lines))
+            time.sleep(0.05)
+        if self.proc.poll() is not None:
+            self.drain.join(10)  # all it printed before it stopped
+        raise SystemExit("error: a server did not start:\n" + self.output)
 
     def health(self) -> dict:
         with urllib.request.urlopen(self.url + "/healthz", timeout=10) as r:
@@ -197,18 +207,21 @@ class ServerProcess:
         while self.health()["sessions"] and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def stop(self):
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Stop it with ``sig`` (launched: Ctrl-C to torchrun and its ranks, as a terminal sends
+        it; rank 0 stops the others), killed after 40 s; its exit status."""
         if self.proc.poll() is None:
-            if self.launched:  # Ctrl-C to torchrun and its ranks: rank 0 stops rank 1
+            if self.launched:
                 os.killpg(self.proc.pid, signal.SIGINT)
             else:
-                self.proc.terminate()
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(40)
             except subprocess.TimeoutExpired:
                 if self.launched:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.kill()
+        return self.proc.wait()
 
 
 class Round:

@@ -17,63 +17,35 @@ from PIL import Image
 from websockets.sync.client import connect
 
 from inference.web.protocol import read_frame
+from scripts.common import ServerProcess
 
 from .conftest import REPO
 
 
-class Server:
+class Server(ServerProcess):
     """``with Server("--max-sessions", 2) as s: s.url``: a server on a free loopback port (eager,
     so its frames are the headless runs'), stopped with Ctrl-C at the end; ``s.output`` holds what it printed."""
 
     def __init__(self, *args, env: dict | None = None, start_s: float = 180, launch=()):
-        """``launch``: what starts the module instead of plain python (torchrun and its flags)."""
-        self.args, self.env, self.start_s, self.launch = [str(a) for a in args], env or {}, start_s, list(launch)
-        self.lines: list[str] = []
+        """``launch``: python's arguments that start the module instead (torchrun and its flags)."""
+        self.start_s = start_s
+        self.server_env = {k: v for k, v in os.environ.items() if not k.startswith("OWL_") or k == "OWL_THREADS"}
+        self.server_env.update({"OWL_COMPILE": "0", **(env or {})})
+        self.server_args, self.server_launch = [str(a) for a in args], [sys.executable, *launch] if launch else None
 
     def __enter__(self) -> "Server":
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OWL_") or k == "OWL_THREADS"}
-        env.update({"OWL_COMPILE": "0", **self.env})
-        self.proc = subprocess.Popen([sys.executable, *self.launch, "-m", "inference.serve", "--port", "0", *self.args],
-                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=bool(self.launch))
-        threading.Thread(target=self._drain, daemon=True).start()
-        deadline = time.monotonic() + self.start_s
-        while time.monotonic() < deadline:
-            found = [m for line in list(self.lines) if (m := re.search(r"serving at (http://\S+?)/ ", line))]
-            if found:
-                self.url = found[0].group(1)
-                self.ws_url = self.url.replace("http://", "ws://") + "/ws"
-                return self
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise AssertionError("the server did not start:\n" + self.output)
-
-    def _drain(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/healthz", timeout=10) as r:
-            return json.loads(r.read())
+        super().__init__(self.server_args, self.server_env, launch=self.server_launch, cwd=REPO)
+        try:
+            self.wait_ready(self.start_s)
+        except SystemExit as exc:
+            self.stop()
+            raise AssertionError(str(exc)) from None
+        self.ws_url = self.url.replace("http://", "ws://") + "/ws"
+        return self
 
     def stop(self) -> int:
-        """Ctrl-C (under torchrun: to the whole process group, as a terminal sends it)."""
-        if self.proc.poll() is None:
-            if self.launch:
-                os.killpg(self.proc.pid, signal.SIGINT)
-            else:
-                self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
+        """Ctrl-C, as a terminal sends it."""
+        return super().stop(signal.SIGINT)
 
     def __exit__(self, *exc):
         self.stop()
