@@ -2,7 +2,7 @@
 one by one, in one run on the shipped world.
 
     python -m scripts.bench_serve [--players 1 2 4 8] [--seconds 10] [--rounds 2] [--compile auto|0] [--decode-thread]
-                                  [--two-stages] [--json out.json]
+                                  [--two-stages] [--guidance G] [--json out.json]
 
 The batched server runs first, then one started with ``--one-by-one`` (each session its own
 model calls, one after another), and with ``--decode-thread`` a batched one with
@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from owl_wms.config import guidance_problem
 from scripts.common import SEND_HZ, ServerProcess, machine, round_of, summary
 
 
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="measured rounds of each players count on each server")
     p.add_argument("--compile", choices=["auto", "0"], default="auto", help="the servers' OWL_COMPILE")
     p.add_argument("--checkpoint", default=None)
+    p.add_argument("--guidance", type=float, default=None, help="every server's --guidance (control guidance)")
     p.add_argument("--decode-thread", action="store_true",
                    help="also a batched server with OWL_DECODE=async (frames decode beside the model thread)")
     p.add_argument("--two-stages", action="store_true",
@@ -55,11 +57,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if min(args.players) < 1 or args.seconds <= 0 or args.rounds < 1:
         p.error("--players, --seconds and --rounds must be positive")
+    if args.guidance is not None and (problem := guidance_problem(args.guidance)):
+        p.error(f"--guidance {args.guidance:g}: {problem}")
     if args.two_stages and args.compile != "0":
         p.error("--two-stages needs --compile 0: rank 0's /healthz cannot say when rank 1's frame call has compiled")
     env = {**os.environ, "OWL_COMPILE": args.compile}
     common = ["--max-sessions", str(max(args.players)), "--idle-timeout", "3600"]
     common += ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    common += ["--guidance", str(args.guidance)] if args.guidance is not None else []
     logs = args.logs or tempfile.mkdtemp(prefix="bench-serve-")
     os.makedirs(logs, exist_ok=True)
     servers = [("batched", [], {}), ("one_by_one", ["--one-by-one"], {})]
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
         row["latency_p95_intervals"] = row["latency_ms_p95"] / row["interval_ms_p50"]
         rows.append(row)
     print(f"\nthe servers' output: {logs}")
-    print(f"\n{machine()}; OWL_COMPILE={args.compile}; {args.seconds:g} s x {args.rounds} rounds (medians)")
+    guided = f"; --guidance {args.guidance:g}" if args.guidance is not None else ""
+    print(f"\n{machine()}; OWL_COMPILE={args.compile}{guided}; {args.seconds:g} s x {args.rounds} rounds (medians)")
     print("| players | server | aggregate FPS | x one player | each player FPS (min) | interval ms p50 / p95 "
           "| key-to-frame ms p50 / p95 | p95 in intervals |")
     print("|---|---|---|---|---|---|---|---|")
@@ -114,8 +120,8 @@ def main(argv=None) -> int:
               f"| {row['latency_ms_p50']:.0f} / {row['latency_ms_p95']:.0f} | {row['latency_p95_intervals']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "compile": args.compile, "seconds": args.seconds, "rounds": args.rounds,
-                       "send_hz": SEND_HZ, "rows": rows}, f, indent=1)
+            json.dump({"machine": machine(), "compile": args.compile, "guidance": args.guidance, "seconds": args.seconds,
+                       "rounds": args.rounds, "send_hz": SEND_HZ, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -243,6 +243,7 @@ def test_bench_serve_drives_players_against_the_batched_and_the_one_by_one_serve
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
     ("bench_play", ["--frames", "0"], "--frames 0 --scale 4: both must be 1 or more"),
     ("bench_serve", ["--players", "0"], "--players, --seconds and --rounds must be positive"),
+    ("bench_serve", ["--guidance", "nan"], "--guidance nan: must be a number in [0, 8]"),
     ("bench_shared_cores", ["--serve", "0"], "--serve 0: give 1 to 600 seconds"),
     ("bench_frame", ["--prod-layers", "17"], "--prod-layers 17: the production model has 16 layers"),
     ("bench_frame", ["--guidance", "9"], "--guidance 9: must be a number in [0, 8]"),
