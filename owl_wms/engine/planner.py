@@ -26,9 +26,9 @@ class FramePlanner:
     def __init__(self, world: WorldConfig, settings: Settings, noise_device, ground_truth: bool = False):
         cfg, p = world.model, world.pipeline
         self.cfg, self.window, self.alpha, self.recompute_from = cfg, p.window_frames, p.history_alpha, settings.kv_recompute_anchor
-        self.lifecycle = Lifecycle(len(p.schedule) - 1, settings.kv_recompute_every, settings.kv_cache_attention_bias)
-        self._guidance = 1.0
-        self.schedule, self.guidance = p.schedule, p.guidance
+        self._schedule, self._guidance = check_schedule(p.schedule), check_guidance(p.guidance)
+        self.lifecycle = Lifecycle(calls_per_frame(self._schedule, self._guidance), settings.kv_recompute_every,
+                                   settings.kv_cache_attention_bias)
         self.noise = NoiseStream(settings.seed, noise_device, (1, 1, cfg.channels, cfg.sample_size, cfg.sample_size))
         self.recompute_anchor, self.replay = RecomputeAnchor(self.window), ClipReplay(world, ground_truth)
         self.last_controls = None  # (mouse, buttons) the last frame used: the player's or the clip's (GT)
