@@ -4,13 +4,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-import urllib.request
 
 import numpy as np
 from PIL import Image
@@ -28,13 +24,12 @@ class Server(ServerProcess):
 
     def __init__(self, *args, env: dict | None = None, start_s: float = 180, launch=()):
         """``launch``: python's arguments that start the module instead (torchrun and its flags)."""
+        server_env = {k: v for k, v in os.environ.items() if not k.startswith("OWL_") or k == "OWL_THREADS"}
+        super().__init__([str(a) for a in args], {**server_env, "OWL_COMPILE": "0", **(env or {})},
+                         launch=[sys.executable, *launch] if launch else None, cwd=REPO)
         self.start_s = start_s
-        self.server_env = {k: v for k, v in os.environ.items() if not k.startswith("OWL_") or k == "OWL_THREADS"}
-        self.server_env.update({"OWL_COMPILE": "0", **(env or {})})
-        self.server_args, self.server_launch = [str(a) for a in args], [sys.executable, *launch] if launch else None
 
     def __enter__(self) -> "Server":
-        super().__init__(self.server_args, self.server_env, launch=self.server_launch, cwd=REPO)
         try:
             self.wait_ready(self.start_s)
         except SystemExit as exc:
