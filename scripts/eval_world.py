@@ -25,7 +25,9 @@ simulator's own answers to the same questions (``owl_wms.maze.evaluation.simulat
 The target figures are also kept level by level (``per_level``) with the standard error of
 their means (``standard_error``): levels differ far more than frames do, so judge a target
 with it, and use more --episodes for a tighter figure.
-Level seeds start at owl_wms.maze.data.HELD_OUT_SEED (+ --seed-offset): never used in training.
+Level seeds start at owl_wms.maze.data.HELD_OUT_SEED (+ --seed-offset): never used in training. A
+negative offset that reaches below it scores levels training draws from (--seed-offset -1000000:
+levels 0-7, a check for over-fitting); the report then says they are not held out.
 """
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ def main(argv=None):
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--policy", default="explore", choices=sorted(POLICY_STYLES),
                    help="policy style that drives the held-out episodes (owl_wms.maze.data)")
-    p.add_argument("--seed-offset", type=int, default=0)
+    p.add_argument("--seed-offset", type=int, default=0,
+                   help=f"first level {HELD_OUT_SEED} + this; below {HELD_OUT_SEED} the levels are not held out")
     p.add_argument("--frames", type=int, default=64, help="autoregressive frames per episode")
     p.add_argument("--tf-frames", type=int, default=32, help="teacher-forced frames per episode")
     p.add_argument("--start", type=int, default=None,
@@ -124,6 +127,10 @@ def main(argv=None):
         pipe.guidance = args.guidance
     pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise
     seeds = [HELD_OUT_SEED + args.seed_offset + i for i in range(args.episodes)]
+    if seeds[0] < 0:
+        p.error(f"--seed-offset {args.seed_offset}: the first level would be {seeds[0]}; level seeds start at 0 "
+                f"(--seed-offset {-HELD_OUT_SEED} scores levels 0-{args.episodes - 1})")
+    held_out = seeds[0] >= HELD_OUT_SEED
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
     if args.start is not None and args.start < pipe.window:
@@ -181,6 +188,7 @@ def main(argv=None):
         # the figures move a little with the dtype (bf16 or fp32) and the CPU's kernels
         "settings": pipe.settings.describe(), "machine": machine(),
         "checkpoint": args.checkpoint, "weights": args.weights, "world": pipe.world.name, "seeds": seeds,
+        "held_out": held_out,
         "policy": args.policy, "schedule": list(pipe.schedule), "guidance": pipe.guidance,
         "teacher_forced_psnr": float(np.mean([x[0] for r in tf for x in r])),
         "teacher_forced_ssim": float(np.mean([x[1] for r in tf for x in r])),
@@ -208,6 +216,11 @@ def main(argv=None):
         # the simulator, and the model's one step from the simulator's frames (teacher-forced), over
         # all frames and split by whether the turn was made in the open or facing a near wall
         **turn_following_summary(turns),
+        # the same shares level by level (each level's right and left turn), to set worlds side by side
+        # on the same levels (scripts.compare_worlds); their mean is not the share over all levels
+        "turn_following_per_level": {
+            key: [turn_following_summary(turns[i:i + 2])[key] for i in range(0, len(turns), 2)]
+            for key in ("turn_following", "turn_following_teacher_forced")},
         "turn_dx": args.turn_dx, "turn_frames": args.turn_frames, "start": eps[0].start,
         # walking forward from the real history with the mouse at rest, exactly (0, 0), as scripts and a
         # resting player send it, and barely moving: a world that never saw a mouse at rest does worse
@@ -229,7 +242,7 @@ def main(argv=None):
     ax.axhline(report["teacher_forced_psnr"], color="gray", ls="--", label="teacher-forced (mean)")
     ax.set_xlabel("frame index")
     ax.set_ylabel("PSNR vs simulator (dB)")
-    ax.set_title(f"{pipe.world.name}: {len(seeds)} held-out levels")
+    ax.set_title(f"{pipe.world.name}: {len(seeds)} {'held-out' if held_out else 'training (not held-out)'} levels")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "psnr_curve.png", dpi=100)
@@ -256,7 +269,7 @@ def main(argv=None):
           f"below {SHARP_ENOUGH:g}; "
           + (f"walking with the mouse at rest {report['rest_walk_psnr']:.2f} dB, barely moving "
              f"{report['nudged_walk_psnr']:.2f} dB" if args.rest_frames else "at-rest diagnostic skipped (--rest-frames 0)")
-          + f" -> {out}")
+          + f" -> {out}" + ("" if held_out else f" (levels {seeds[0]}-{seeds[-1]}: not held out)"))
 
 
 if __name__ == "__main__":

@@ -107,6 +107,10 @@ def test_eval_command_on_two_short_episodes(tmp_path, fp32):
         image = matplotlib.image.imread(tmp_path / f"{name}.png")  # 2 levels x (simulator, model), frames 1, 5
         assert image.shape[:2] == (2 * 2 * 64 + 2, 2 * 64)
     assert report["walk_and_turn_sharpness_min"] == report["walk_and_turn"]["sharpness_ratio_min"]
+    # turn following level by level: each level's two turns (the figures over all levels pool every frame)
+    for key in ("turn_following", "turn_following_teacher_forced"):
+        shares = report["turn_following_per_level"][key]
+        assert len(shares) == 2 and min(shares) <= report[key] <= max(shares)
 
 
 def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32, capsys):
@@ -140,6 +144,16 @@ def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32, capsys):
     assert two["teacher_forced_psnr"] != three["teacher_forced_psnr"]
     with pytest.raises(ValueError, match="schedule"):
         eval_world.main(short + ["--schedule", "1", "0.5", "--out", str(tmp_path / "bad")])
+    # levels training draws from (a check for over-fitting) are scored when asked, and said not to be held out
+    capsys.readouterr()
+    eval_world.main(short + ["--seed-offset", "-1000000", "--rest-frames", "0", "--out", str(tmp_path / "train")])
+    train = json.loads((tmp_path / "train" / "eval.json").read_text())
+    assert two["held_out"] and two["seeds"] == [1_000_000]
+    assert not train["held_out"] and train["seeds"] == [0]
+    assert "(levels 0-0: not held out)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        eval_world.main(short + ["--seed-offset", "-1000005", "--out", str(tmp_path / "below")])
+    assert "--seed-offset -1000005: the first level would be -5; level seeds start at 0" in capsys.readouterr().err
 
 
 def test_rollout_sheet_puts_the_real_frames_above_the_predictions():
@@ -248,6 +262,54 @@ def test_compare_worlds_sets_each_world_against_the_first(tmp_path, capsys):
     assert "mixed is not better than old on: layout score at frame 64 (dB); action gap, frames 5-32 (dB)" in out
     compare_worlds.main([str(tmp_path / "new.json"), str(tmp_path / "new.json")])
     assert "new beats new" not in capsys.readouterr().out  # equal is not better
+    # unnamed columns: eval_world's NAME/eval.json gives NAME, a kept NAME_eval.json gives NAME
+    (tmp_path / "w64").mkdir()
+    (tmp_path / "w64" / "eval.json").write_text(json.dumps(old))
+    (tmp_path / "flat_eval.json").write_text(json.dumps(new))
+    compare_worlds.main([str(tmp_path / "w64" / "eval.json"), str(tmp_path / "flat_eval.json")])
+    out = capsys.readouterr().out
+    assert out.startswith("| figure | w64 | flat | target |")
+    assert "flat is not better than w64 on: layout score at frame 64 (dB)" in out
+    assert "level by level" not in out  # reports without their levels' seeds are not paired
+
+
+def test_compare_worlds_pairs_reports_level_by_level(tmp_path, capsys):
+    from scripts import compare_worlds
+
+    def report(seeds, tf, gap, turn=(0.3, 0.3, 0.3)) -> dict:
+        scripted = {"sharpness_ratio": [0.2], "sharpness_ratio_min": 0.2, "sharpness_ratio_min_per_level": [0.2] * 3}
+        return {"seeds": seeds, "teacher_forced_psnr": sum(tf) / 3, "copy_previous_psnr": 24.0, "ar_psnr_at_16": 18,
+                "turn_following_teacher_forced": 0.3, "turn_following": 0.6, "action_gap_db": sum(gap) / 3,
+                "per_level": {"teacher_forced_psnr": tf, "action_gap_db": gap},
+                "turn_following_per_level": {"turn_following": [0.5, 0.6, None], "turn_following_teacher_forced": turn},
+                "walk_and_turn": scripted, "turn_in_place": scripted}
+
+    # levels far apart, the same small lift on each: the standard error over levels hides it, the paired one not
+    base = report([1, 2, 3], [20.0, 25.0, 30.0], [0.0, 1.0, 2.0])
+    lifted = report([1, 2, 3], [20.1, 25.1, 30.2], [1.0, 0.0, 2.0], turn=(0.4, 0.5, 0.6))
+    elsewhere = report([4, 5, 6], [30.0, 30.0, 30.0], [5.0, 5.0, 5.0])
+    later = {**lifted, "start": 96}  # the same levels scored from another frame
+    # a longer report that shares two of base's levels is paired over those two
+    wider = report([2, 3, 9], [25.5, 30.5, 10.0], [1.0, 2.0, 9.0])
+    paths = []
+    for name, r in (("base", base), ("lifted", lifted), ("elsewhere", elsewhere), ("later", later),
+                    ("wider", wider)):
+        (tmp_path / f"{name}_eval.json").write_text(json.dumps(r))
+        paths.append(str(tmp_path / f"{name}_eval.json"))
+    compare_worlds.main(paths)
+    out = capsys.readouterr().out
+    assert "level by level (± one standard error of the differences" in out
+    assert "| difference against base | lifted (3 levels) | wider (2 levels) |" in out
+    assert "| teacher-forced PSNR (dB) | +0.13 ± 0.03 * | +0.50 ± 0.00 * |" in out
+    # no mark: within twice its error
+    assert "| action gap, frames 5-32 (dB) | +0.00 ± 0.58 | +0.00 ± 0.00 |" in out
+    assert "| AR PSNR at frame 16 (dB) | 18.00 |" in out and "| AR PSNR at frame 16 (dB) | not" not in out  # not kept
+    assert "| walk and turn: least sharp frame (sharpness ratio) | +0.00 ± 0.00 | +0.00 ± 0.00 |" in out
+    assert "| turn following, one step from the simulator's frames | +0.20 ± 0.06 * | +0.00 ± 0.00 |" in out
+    # a level without a share is left out: wider shares only levels 2 and 3 with base, and lacks level 3's
+    assert "| turn following, rollout | +0.00 ± 0.00 | not measured |" in out
+    assert ("Not set against base level by level (fewer than 2 of its levels, or another policy or first frame): "
+            "elsewhere, later") in out
     with pytest.raises(SystemExit):
         compare_worlds.main([str(tmp_path / "missing.json")])
     assert "report" in capsys.readouterr().err
