@@ -110,6 +110,8 @@ def main(argv=None):
                         "e.g. 1.5 for a view that follows the mouse further")
     p.add_argument("--out", default="eval")
     args = p.parse_args(argv)
+    if args.episodes < 1:
+        p.error(f"--episodes {args.episodes}: must be >= 1 (levels to score; 8 by default)")
     if args.script_frames < 1:
         p.error(f"--script-frames {args.script_frames}: must be >= 1")
     if args.rest_frames < 0:
@@ -242,7 +244,7 @@ def main(argv=None):
     ax.axhline(report["teacher_forced_psnr"], color="gray", ls="--", label="teacher-forced (mean)")
     ax.set_xlabel("frame index")
     ax.set_ylabel("PSNR vs simulator (dB)")
-    ax.set_title(f"{pipe.world.name}: {len(seeds)} {'held-out' if held_out else 'training (not held-out)'} levels")
+    ax.set_title(f"{pipe.world.name}: {len(seeds)} {'held-out' if held_out else 'not held-out'} levels")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "psnr_curve.png", dpi=100)

@@ -154,6 +154,9 @@ def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32, capsys):
     with pytest.raises(SystemExit):
         eval_world.main(short + ["--seed-offset", "-1000005", "--out", str(tmp_path / "below")])
     assert "--seed-offset -1000005: the first level would be -5; level seeds start at 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_world.main(short + ["--episodes", "0", "--out", str(tmp_path / "none")])
+    assert "--episodes 0: must be >= 1" in capsys.readouterr().err
 
 
 def test_rollout_sheet_puts_the_real_frames_above_the_predictions():
