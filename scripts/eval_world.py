@@ -112,6 +112,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.episodes < 1:
         p.error(f"--episodes {args.episodes}: must be >= 1 (levels to score; 8 by default)")
+    if HELD_OUT_SEED + args.seed_offset < 0:
+        p.error(f"--seed-offset {args.seed_offset}: the first level would be {HELD_OUT_SEED + args.seed_offset}; "
+                f"level seeds start at 0 (--seed-offset {-HELD_OUT_SEED} scores levels 0-{args.episodes - 1})")
     if args.script_frames < 1:
         p.error(f"--script-frames {args.script_frames}: must be >= 1")
     if args.rest_frames < 0:
@@ -129,9 +132,6 @@ def main(argv=None):
         pipe.guidance = args.guidance
     pipe.verbose = False  # the start-up lines are printed; every episode's hard cut would be noise
     seeds = [HELD_OUT_SEED + args.seed_offset + i for i in range(args.episodes)]
-    if seeds[0] < 0:
-        p.error(f"--seed-offset {args.seed_offset}: the first level would be {seeds[0]}; level seeds start at 0 "
-                f"(--seed-offset {-HELD_OUT_SEED} scores levels 0-{args.episodes - 1})")
     held_out = seeds[0] >= HELD_OUT_SEED
     lo, hi = args.gap_range
     n_ar = max(args.frames, hi)
@@ -224,6 +224,7 @@ def main(argv=None):
             key: [turn_following_summary(turns[i:i + 2])[key] for i in range(0, len(turns), 2)]
             for key in ("turn_following", "turn_following_teacher_forced")},
         "turn_dx": args.turn_dx, "turn_frames": args.turn_frames, "start": eps[0].start,
+        "frames": args.frames, "tf_frames": args.tf_frames,
         # walking forward from the real history with the mouse at rest, exactly (0, 0), as scripts and a
         # resting player send it, and barely moving: a world that never saw a mouse at rest does worse
         **({"rest_walk_psnr": float(np.mean(rest)), "nudged_walk_psnr": float(np.mean(nudged)),

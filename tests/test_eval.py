@@ -58,6 +58,7 @@ def test_eval_command_on_two_short_episodes(tmp_path, fp32):
                      "--euler-steps", "3", "--script-frames", "8", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "eval.json").read_text())
     assert len(report["ar_psnr"]) == 5 and len(report["ar_ssim"]) == 5 and report["seeds"][0] >= 1_000_000
+    assert report["frames"] == 5 and report["tf_frames"] == 3  # how it was scored, for compare_worlds to pair on
     assert all(np.isfinite(report[k]) for k in ("teacher_forced_psnr", "teacher_forced_ssim", "action_gap_db",
                                                   "teacher_forced_psnr_euler3", "copy_previous_psnr",
                                                   "action_response_psnr", "sim_previous_action_psnr",
@@ -274,45 +275,66 @@ def test_compare_worlds_sets_each_world_against_the_first(tmp_path, capsys):
     assert out.startswith("| figure | w64 | flat | target |")
     assert "flat is not better than w64 on: layout score at frame 64 (dB)" in out
     assert "level by level" not in out  # reports without their levels' seeds are not paired
+    with pytest.raises(SystemExit):
+        compare_worlds.main([str(tmp_path / "missing.json")])
+    assert "report" in capsys.readouterr().err
 
 
 def test_compare_worlds_pairs_reports_level_by_level(tmp_path, capsys):
     from scripts import compare_worlds
 
-    def report(seeds, tf, gap, turn=(0.3, 0.3, 0.3)) -> dict:
-        scripted = {"sharpness_ratio": [0.2], "sharpness_ratio_min": 0.2, "sharpness_ratio_min_per_level": [0.2] * 3}
-        return {"seeds": seeds, "teacher_forced_psnr": sum(tf) / 3, "copy_previous_psnr": 24.0, "ar_psnr_at_16": 18,
-                "turn_following_teacher_forced": 0.3, "turn_following": 0.6, "action_gap_db": sum(gap) / 3,
+    def report(seeds, tf, gap, turn=(0.3, 0.3, 0.3, 0.3), **more) -> dict:
+        scripted = {"sharpness_ratio": [0.2], "sharpness_ratio_min": 0.2, "frames": 64,
+                    "sharpness_ratio_min_per_level": [0.2] * len(seeds)}
+        return {"seeds": seeds, "policy": "explore", "start": 64, "gap_range": [5, 32], "settings": "fp32",
+                "teacher_forced_psnr": sum(tf) / len(tf), "copy_previous_psnr": 24.0, "ar_psnr_at_16": 18,
+                "turn_following_teacher_forced": 0.3, "turn_following": 0.6, "action_gap_db": sum(gap) / len(gap),
                 "per_level": {"teacher_forced_psnr": tf, "action_gap_db": gap},
-                "turn_following_per_level": {"turn_following": [0.5, 0.6, None], "turn_following_teacher_forced": turn},
-                "walk_and_turn": scripted, "turn_in_place": scripted}
+                "turn_following_per_level": {"turn_following": [0.5, 0.6, 0.7, None],
+                                             "turn_following_teacher_forced": list(turn)},
+                "walk_and_turn": scripted, "turn_in_place": scripted, **more}
 
     # levels far apart, the same small lift on each: the standard error over levels hides it, the paired one not
-    base = report([1, 2, 3], [20.0, 25.0, 30.0], [0.0, 1.0, 2.0])
-    lifted = report([1, 2, 3], [20.1, 25.1, 30.2], [1.0, 0.0, 2.0], turn=(0.4, 0.5, 0.6))
-    elsewhere = report([4, 5, 6], [30.0, 30.0, 30.0], [5.0, 5.0, 5.0])
+    base = report([1, 2, 3, 4], [20.0, 25.0, 30.0, 22.0], [0.0, 1.0, 2.0, 1.0])
+    lifted = report([1, 2, 3, 4], [20.1, 25.1, 30.2, 22.2], [1.0, 0.0, 2.0, 1.0], turn=(0.4, 0.5, 0.6, 0.5),
+                    settings="bf16")
+    elsewhere = report([5, 6, 7, 8], [30.0] * 4, [5.0] * 4)
     later = {**lifted, "start": 96}  # the same levels scored from another frame
-    # a longer report that shares two of base's levels is paired over those two
-    wider = report([2, 3, 9], [25.5, 30.5, 10.0], [1.0, 2.0, 9.0])
+    older = {k: v for k, v in lifted.items() if k != "start"}  # made before reports kept their first frame
+    # a longer report sharing three of base's levels is paired over those; its gap took other frames
+    wider = report([2, 3, 4, 9], [25.5, 30.5, 22.5, 10.0], [1.0, 2.0, 1.0, 9.0], gap_range=[5, 16])
     paths = []
     for name, r in (("base", base), ("lifted", lifted), ("elsewhere", elsewhere), ("later", later),
-                    ("wider", wider)):
+                    ("older", older), ("wider", wider)):
         (tmp_path / f"{name}_eval.json").write_text(json.dumps(r))
         paths.append(str(tmp_path / f"{name}_eval.json"))
     compare_worlds.main(paths)
     out = capsys.readouterr().out
-    assert "level by level (± one standard error of the differences" in out
-    assert "| difference against base | lifted (3 levels) | wider (2 levels) |" in out
-    assert "| teacher-forced PSNR (dB) | +0.13 ± 0.03 * | +0.50 ± 0.00 * |" in out
-    # no mark: within twice its error
-    assert "| action gap, frames 5-32 (dB) | +0.00 ± 0.58 | +0.00 ± 0.00 |" in out
+    assert "level by level (± one standard error of the differences; *: past the two-sided 95% point" in out
+    assert "| difference against base | lifted (4 levels) | wider (3 levels) |" in out
+    # diffs 0.1, 0.1, 0.2, 0.2: mean 0.15, error 0.029, past 3.18 errors; wider's 0.5 on each of 3
+    assert "| teacher-forced PSNR (dB) | +0.15 ± 0.03 * | +0.50 ± 0.00 * |" in out
+    # no mark within the t point; wider's gap was scored over other frames, so is not set against base's
+    assert "| action gap, frames 5-32 (dB) | +0.00 ± 0.41 | not measured |" in out
     assert "| AR PSNR at frame 16 (dB) | 18.00 |" in out and "| AR PSNR at frame 16 (dB) | not" not in out  # not kept
     assert "| walk and turn: least sharp frame (sharpness ratio) | +0.00 ± 0.00 | +0.00 ± 0.00 |" in out
-    assert "| turn following, one step from the simulator's frames | +0.20 ± 0.06 * | +0.00 ± 0.00 |" in out
-    # a level without a share is left out: wider shares only levels 2 and 3 with base, and lacks level 3's
+    assert "| turn following, one step from the simulator's frames | +0.20 ± 0.04 * | +0.00 ± 0.00 |" in out
+    # a level without a share is left out: lifted pairs on levels 1-3, wider only on 2 and 3 (too few)
     assert "| turn following, rollout | +0.00 ± 0.00 | not measured |" in out
-    assert ("Not set against base level by level (fewer than 2 of its levels, or another policy or first frame): "
-            "elsewhere, later") in out
-    with pytest.raises(SystemExit):
-        compare_worlds.main([str(tmp_path / "missing.json")])
-    assert "report" in capsys.readouterr().err
+    assert ("Not set against base level by level: elsewhere (0 shared levels (pairing takes 3)); "
+            "later (start 96, not 64); older (no start recorded)") in out
+    assert "Scored with other settings than base (dtype, threads, kernels: a small difference may be theirs): " \
+           "lifted, later, older" in out
+    # reports that are not eval_world's, or name a level twice, are refused in one line
+    for name, bad, words in (("list", [1, 2], "holds a JSON list, not eval_world's report object"),
+                             ("seeds", {**base, "seeds": 5}, "'seeds' is 5; expected a list of level seeds"),
+                             ("twice", {**base, "seeds": [1, 1, 2, 3]}, "names a level twice")):
+        (tmp_path / f"{name}.json").write_text(json.dumps(bad))
+        with pytest.raises(SystemExit):
+            compare_worlds.main([paths[0], str(tmp_path / f"{name}.json")])
+        assert words in capsys.readouterr().err
+    # a first report that does not list its levels says why there is no second table
+    unlisted = {k: v for k, v in base.items() if k != "seeds"}
+    (tmp_path / "unlisted_eval.json").write_text(json.dumps(unlisted))
+    compare_worlds.main([str(tmp_path / "unlisted_eval.json"), paths[1]])
+    assert "No level-by-level table: unlisted's report does not list its levels" in capsys.readouterr().out
