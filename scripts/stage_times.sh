@@ -53,9 +53,9 @@ stage() {
   elif [ "$rc" -eq 75 ] || { [ -n "${PIECE_SECONDS:-}" ] && [ "$rc" -eq 124 ]; }; then
     echo -e "$name\t$(( $(date +%s) - t0 ))\t$PIECE\tstopped" >> "$STAGE_LOG"
     end_piece
-    if [ -n "${PIECE_SECONDS:-}" ]; then
+    if [ "$rc" -eq 124 ]; then  # timeout's status: the budget ran out (whatever the stage exited with)
       echo "== the piece's budget of ${PIECE_SECONDS}s ran out in $name, which saved where it was; run the same command again to resume" >&2
-    else  # a signal (Ctrl-C, SIGTERM) stopped a stage that saves: the piece ends here too
+    else  # a signal (Ctrl-C, SIGTERM) stopped a stage that saves, within the budget or without one: the piece ends here too
       echo "== $name was stopped and saved where it was; run the same command again to resume" >&2
     fi
     exit 75

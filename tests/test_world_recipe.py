@@ -212,9 +212,11 @@ def test_a_chain_spends_its_budget_in_pieces_that_resume_where_they_stopped(tmp_
     assert sum(ln.startswith("# piece") for ln in (tmp_path / "times.tsv").read_text().splitlines()) == 2
 
 
-def test_a_stage_stopped_by_a_signal_ends_the_piece_and_the_next_run_goes_on(tmp_path):
-    """Without a budget: a training stage stopped by Ctrl-C saves and exits 75; its time and the
-    piece's go in the table, and the same command again is the next piece."""
+@pytest.mark.parametrize("budget", [None, "600"])
+def test_a_stage_stopped_by_a_signal_ends_the_piece_and_the_next_run_goes_on(tmp_path, budget):
+    """A training stage stopped by Ctrl-C saves and exits 75, with or without a piece budget (said
+    to be stopped, not out of budget); its time and the piece's go in the table, and the same
+    command again is the next piece."""
     flag = tmp_path / "stopped_once"
     chain = tmp_path / "chain.sh"
     chain.write_text(f"set -euo pipefail\nPY={sys.executable}\n. {REPO}/scripts/stage_times.sh\n"
@@ -222,9 +224,10 @@ def test_a_stage_stopped_by_a_signal_ends_the_piece_and_the_next_run_goes_on(tmp
                      f"stage train $PY -c 'import pathlib, sys; f = pathlib.Path(sys.argv[1]); "
                      f"sys.exit(0 if f.exists() else (f.touch(), 75)[1])' {flag}\n"
                      "end_stage_log\n")
-    env = {k: v for k, v in os.environ.items() if k != "PIECE_SECONDS"}
+    env = {k: v for k, v in os.environ.items() if k != "PIECE_SECONDS"} | ({"PIECE_SECONDS": budget} if budget else {})
     first = subprocess.run(["bash", str(chain)], env=env, capture_output=True, text=True, timeout=60)
     assert first.returncode == 75 and "train was stopped and saved where it was" in first.stderr, first.stderr
+    assert "ran out" not in first.stderr  # a budget that is not spent is not blamed
     second = subprocess.run(["bash", str(chain)], env=env, capture_output=True, text=True, timeout=60)
     assert second.returncode == 0, second.stderr
     rows = [ln.split("\t") for ln in (tmp_path / "times.tsv").read_text().splitlines()]
