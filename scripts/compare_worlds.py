@@ -90,7 +90,7 @@ def pairing(a: dict, b: dict) -> tuple[list[int], str | None]:
             return [], f"no {key} recorded"
         if a[key] != b[key]:
             return [], f"{key} {b[key]!r}, not {a[key]!r}"
-    theirs = set(b["seeds"])
+    theirs = set(b.get("seeds") or ())  # an older report lists none
     common = [s for s in a["seeds"] if s in theirs]
     if len(common) < MIN_LEVELS:
         return [], f"{len(common)} shared levels (pairing takes {MIN_LEVELS})"

@@ -301,11 +301,12 @@ def test_compare_worlds_pairs_reports_level_by_level(tmp_path, capsys):
     elsewhere = report([5, 6, 7, 8], [30.0] * 4, [5.0] * 4)
     later = {**lifted, "start": 96}  # the same levels scored from another frame
     older = {k: v for k, v in lifted.items() if k != "start"}  # made before reports kept their first frame
+    unlisted_levels = {k: v for k, v in lifted.items() if k != "seeds"}  # made before they listed their levels
     # a longer report sharing three of base's levels is paired over those; its gap took other frames
     wider = report([2, 3, 4, 9], [25.5, 30.5, 22.5, 10.0], [1.0, 2.0, 1.0, 9.0], gap_range=[5, 16])
     paths = []
     for name, r in (("base", base), ("lifted", lifted), ("elsewhere", elsewhere), ("later", later),
-                    ("older", older), ("wider", wider)):
+                    ("older", older), ("wider", wider), ("nolevels", unlisted_levels)):
         (tmp_path / f"{name}_eval.json").write_text(json.dumps(r))
         paths.append(str(tmp_path / f"{name}_eval.json"))
     compare_worlds.main(paths)
@@ -322,9 +323,9 @@ def test_compare_worlds_pairs_reports_level_by_level(tmp_path, capsys):
     # a level without a share is left out: lifted pairs on levels 1-3, wider only on 2 and 3 (too few)
     assert "| turn following, rollout | +0.00 ± 0.00 | not measured |" in out
     assert ("Not set against base level by level: elsewhere (0 shared levels (pairing takes 3)); "
-            "later (start 96, not 64); older (no start recorded)") in out
+            "later (start 96, not 64); older (no start recorded); nolevels (0 shared levels (pairing takes 3))") in out
     assert "Scored with other settings than base (dtype, threads, kernels: a small difference may be theirs): " \
-           "lifted, later, older" in out
+           "lifted, later, older, nolevels" in out
     # reports that are not eval_world's, or name a level twice, are refused in one line
     for name, bad, words in (("list", [1, 2], "holds a JSON list, not eval_world's report object"),
                              ("seeds", {**base, "seeds": 5}, "'seeds' is 5; expected a list of level seeds"),
