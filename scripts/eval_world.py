@@ -159,7 +159,7 @@ def main(argv=None):
         response.append(action_response(pipe, ep, foreign, args.tf_frames))
         sim.append(simulator_responses(ep, foreign, args.tf_frames, (lo, hi)))
         shown = turn_sheet if i < args.sheet_episodes else None
-        turns += [turn_following(pipe, ep, d * args.turn_dx, args.turn_frames, shown) for d in (1, -1)]
+        turns.append([turn_following(pipe, ep, d * args.turn_dx, args.turn_frames, shown) for d in (1, -1)])
         for name in SCRIPTS:
             shown = script_sheets[name] if i < args.sheet_episodes else None
             scripted[name].append(scripted_rollout(pipe, ep, actions[name], shown))
@@ -185,6 +185,7 @@ def main(argv=None):
     if len(ar_psnr) >= 64:
         per_level["layout_psnr_at_64"] = [r[63][2] for r in ar]
     summaries = {SCRIPTS[name]: script_summary(runs) for name, runs in scripted.items()}
+    per_level_turns = [turn_following_summary(level) for level in turns]
     report = {
         "command": " ".join(["python -m scripts.eval_world", *sys.argv[1:]]),
         # the figures move a little with the dtype (bf16 or fp32) and the CPU's kernels
@@ -217,12 +218,11 @@ def main(argv=None):
         # turning: columns per frame the view slides under a held mouse x: the model's rollout,
         # the simulator, and the model's one step from the simulator's frames (teacher-forced), over
         # all frames and split by whether the turn was made in the open or facing a near wall
-        **turn_following_summary(turns),
+        **turn_following_summary([run for level in turns for run in level]),
         # the same shares level by level (each level's right and left turn), to set worlds side by side
         # on the same levels (scripts.compare_worlds); their mean is not the share over all levels
-        "turn_following_per_level": {
-            key: [turn_following_summary(turns[i:i + 2])[key] for i in range(0, len(turns), 2)]
-            for key in ("turn_following", "turn_following_teacher_forced")},
+        "turn_following_per_level": {key: [level[key] for level in per_level_turns]
+                                     for key in ("turn_following", "turn_following_teacher_forced")},
         "turn_dx": args.turn_dx, "turn_frames": args.turn_frames, "start": eps[0].start,
         "frames": args.frames, "tf_frames": args.tf_frames,
         # walking forward from the real history with the mouse at rest, exactly (0, 0), as scripts and a
