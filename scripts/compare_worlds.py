@@ -11,7 +11,10 @@ Levels differ far more than worlds do, so a figure's standard error over levels 
 differences between worlds. Where a report scored at least three levels the first one did too (the
 same policy, from the same recorded first frame), a second table gives, for each figure kept level
 by level and scored the same way, the mean of the per-level differences against the first world
-over those levels, with its own standard error; * marks a mean past the two-sided 95% point of
+over those levels, with its own standard error (turn following: each level's slide of the view in
+columns per frame, over the simulator's mean slide on those levels, so that the mean difference is
+the difference of the two shares over those levels, and a level where the simulator's view barely
+slides does not swamp the others as its own share would); * marks a mean past the two-sided 95% point of
 Student's t for that many levels (2.36 errors for 8). Among many cells a few marks come by chance:
 read a mark against another set of levels.
 """
@@ -47,16 +50,18 @@ FIGURES = [
 ERRORS = {TF: "teacher_forced_psnr", AR16: "ar_psnr_at_16", LAYOUT: "layout_psnr_at_64", GAP: "action_gap_db"}
 
 
+SIM_SLIDE = lambda r: r["turn_shift_per_level"]["sim"]  # noqa: E731
 # figures a report keeps level by level: (row of FIGURES, how to read the per-level list, the
-# report keys that say how it was scored: two reports pair on the row only where these agree)
+# report keys that say how it was scored: two reports pair on the row only where these agree, and
+# how to read the per-level list whose mean over the paired levels scales the figure, or None)
 PER_LEVEL = [
-    (TF, lambda r: r["per_level"]["teacher_forced_psnr"], ("tf_frames",)),
-    (AR16, lambda r: r["per_level"]["ar_psnr_at_16"], ()),
-    (LAYOUT, lambda r: r["per_level"]["layout_psnr_at_64"], ()),
-    (GAP, lambda r: r["per_level"]["action_gap_db"], ("gap_range",)),
-    (TURN_ONE, lambda r: r["turn_following_per_level"]["turn_following_teacher_forced"], ("turn_dx", "turn_frames")),
-    (TURN_ROLL, lambda r: r["turn_following_per_level"]["turn_following"], ("turn_dx", "turn_frames")),
-    (LEAST_SHARP, lambda r: r["walk_and_turn"]["sharpness_ratio_min_per_level"], ("walk_and_turn/frames",)),
+    (TF, lambda r: r["per_level"]["teacher_forced_psnr"], ("tf_frames",), None),
+    (AR16, lambda r: r["per_level"]["ar_psnr_at_16"], (), None),
+    (LAYOUT, lambda r: r["per_level"]["layout_psnr_at_64"], (), None),
+    (GAP, lambda r: r["per_level"]["action_gap_db"], ("gap_range",), None),
+    (TURN_ONE, lambda r: r["turn_shift_per_level"]["teacher_forced"], ("turn_dx", "turn_frames"), SIM_SLIDE),
+    (TURN_ROLL, lambda r: r["turn_shift_per_level"]["model"], ("turn_dx", "turn_frames"), SIM_SLIDE),
+    (LEAST_SHARP, lambda r: r["walk_and_turn"]["sharpness_ratio_min_per_level"], ("walk_and_turn/frames",), None),
 ]
 MIN_LEVELS = 3  # fewer leave the error of a difference all but unknown
 # two-sided 95% points of Student's t by degrees of freedom (levels - 1); a count between two rows
@@ -106,6 +111,14 @@ def per_level_values(report: dict, read) -> dict | None:
     return {s: (v if ok(v) else None) for s, v in zip(report["seeds"], values)}
 
 
+def scaled(values: dict, by: dict | None, levels: list[int]) -> list[float] | None:
+    """``values`` on ``levels``, over the mean of ``by`` on them where given (None if that is not positive)."""
+    if by is None:
+        return [values[s] for s in levels]
+    mean = sum(by[s] for s in levels) / len(levels)
+    return [values[s] / mean for s in levels] if mean > 0 else None
+
+
 def paired_table(reports: list[dict], names: list[str]) -> tuple[str | None, list[str]]:
     """Per-level differences against the first world over the levels each shares with it, and
     for each report left out, why."""
@@ -119,15 +132,19 @@ def paired_table(reports: list[dict], names: list[str]) -> tuple[str | None, lis
     if not columns:
         return None, left_out
     lines = []
-    for row, read, keys in PER_LEVEL:
+    for row, read, keys, scale in PER_LEVEL:
         cells = []
         for report, _, common in columns:
-            mine, theirs = per_level_values(base, read), per_level_values(report, read)
-            levels = [s for s in common if mine and theirs and mine[s] is not None and theirs[s] is not None]
+            lists = [per_level_values(r, f) for r in (base, report) for f in (read, scale or read)]
+            levels = [s for s in common if all(v and v[s] is not None for v in lists)]
             if any(scored(base, k) != scored(report, k) for k in keys) or len(levels) < MIN_LEVELS:
                 cells.append("not measured")  # scored another way, or not kept level by level
                 continue
-            mean, error = paired([mine[s] for s in levels], [theirs[s] for s in levels])
+            mine, theirs = (scaled(v, by if scale else None, levels) for v, by in (lists[:2], lists[2:]))
+            if mine is None or theirs is None:
+                cells.append("not measured")  # nothing to scale by: the simulator's view did not slide
+                continue
+            mean, error = paired(mine, theirs)
             cells.append(f"{mean:+.2f} ± {error:.2f}" + (" *" if abs(mean) > t_95(len(levels) - 1) * error else ""))
         if any(c != "not measured" for c in cells):  # a figure older reports did not keep level by level
             lines.append(f"| {row} | " + " | ".join(cells) + " |")

@@ -219,10 +219,13 @@ def main(argv=None):
         # the simulator, and the model's one step from the simulator's frames (teacher-forced), over
         # all frames and split by whether the turn was made in the open or facing a near wall
         **turn_following_summary([run for level in turns for run in level]),
-        # the same shares level by level (each level's right and left turn), to set worlds side by side
-        # on the same levels (scripts.compare_worlds); their mean is not the share over all levels
+        # the same level by level (each level's right and left turn): the shares, and the slides they
+        # are made of, which scripts.compare_worlds pairs (a share's mean over levels is not the share
+        # over all levels, and a level where the simulator's view barely slides makes a noisy share)
         "turn_following_per_level": {key: [level[key] for level in per_level_turns]
                                      for key in ("turn_following", "turn_following_teacher_forced")},
+        "turn_shift_per_level": {key: [level[f"turn_shift_{key}"] for level in per_level_turns]
+                                 for key in ("model", "teacher_forced", "sim")},
         "turn_dx": args.turn_dx, "turn_frames": args.turn_frames, "start": eps[0].start,
         "frames": args.frames, "tf_frames": args.tf_frames,
         # walking forward from the real history with the mouse at rest, exactly (0, 0), as scripts and a

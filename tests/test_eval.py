@@ -112,6 +112,15 @@ def test_eval_command_on_two_short_episodes(tmp_path, fp32):
     for key in ("turn_following", "turn_following_teacher_forced"):
         shares = report["turn_following_per_level"][key]
         assert len(shares) == 2 and min(shares) <= report[key] <= max(shares)
+    # and the slides they are made of: every level turns the same number of frames, so the pooled
+    # slides are the levels' means
+    slides = report["turn_shift_per_level"]
+    for key, pooled in (("model", "turn_shift_model"), ("teacher_forced", "turn_shift_teacher_forced"),
+                        ("sim", "turn_shift_sim")):
+        assert len(slides[key]) == 2 and abs(np.mean(slides[key]) - report[pooled]) < 1e-9
+    for level in range(2):
+        assert abs(report["turn_following_per_level"]["turn_following"][level] -
+                   slides["model"][level] / slides["sim"][level]) < 1e-9
 
 
 def test_eval_scores_the_schedule_it_is_given(tmp_path, fp32, capsys):
@@ -290,8 +299,8 @@ def test_compare_worlds_pairs_reports_level_by_level(tmp_path, capsys):
                 "teacher_forced_psnr": sum(tf) / len(tf), "copy_previous_psnr": 24.0, "ar_psnr_at_16": 18,
                 "turn_following_teacher_forced": 0.3, "turn_following": 0.6, "action_gap_db": sum(gap) / len(gap),
                 "per_level": {"teacher_forced_psnr": tf, "action_gap_db": gap},
-                "turn_following_per_level": {"turn_following": [0.5, 0.6, 0.7, None],
-                                             "turn_following_teacher_forced": list(turn)},
+                "turn_shift_per_level": {"model": [0.5, 0.6, 0.7, None], "teacher_forced": list(turn),
+                                         "sim": [1.0] * len(seeds)},
                 "walk_and_turn": scripted, "turn_in_place": scripted, **more}
 
     # levels far apart, the same small lift on each: the standard error over levels hides it, the paired one not
@@ -339,3 +348,28 @@ def test_compare_worlds_pairs_reports_level_by_level(tmp_path, capsys):
     (tmp_path / "unlisted_eval.json").write_text(json.dumps(unlisted))
     compare_worlds.main([str(tmp_path / "unlisted_eval.json"), paths[1]])
     assert "No level-by-level table: unlisted's report does not list its levels" in capsys.readouterr().out
+
+
+def test_compare_worlds_pairs_turns_over_the_simulators_mean_slide(tmp_path, capsys):
+    from scripts import compare_worlds
+
+    def report(model, sim, seeds=(1, 2, 3, 4)) -> dict:
+        return {"seeds": list(seeds), "policy": "explore", "start": 64, "turn_dx": 6.0, "turn_frames": 16,
+                "turn_following": sum(model) / sum(sim) if sum(sim) else None, "turn_following_teacher_forced": 0.3,
+                "turn_shift_per_level": {"model": model, "teacher_forced": [0.3] * 4, "sim": sim}}
+
+    # level 1's view barely slides in the simulator: as shares, its 0.2 more columns a frame would be
+    # +2.0 there and swamp the others; over the simulator's mean slide (1.55) each counts 0.2 / 1.55
+    sim = [0.1, 2.0, 2.0, 2.1]
+    base, lifted = report([0.1, 1.0, 1.0, 1.0], sim), report([0.3, 1.2, 1.1, 1.3], sim)
+    still = report([0.0] * 4, [0.0] * 4)  # a world whose simulator never turned: nothing to scale by
+    paths = []
+    for name, r in (("base", base), ("lifted", lifted), ("still", still)):
+        (tmp_path / f"{name}_eval.json").write_text(json.dumps(r))
+        paths.append(str(tmp_path / f"{name}_eval.json"))
+    compare_worlds.main(paths)
+    out = capsys.readouterr().out
+    # the mean difference is the difference of the two pooled shares: (3.9 - 3.1) / 6.2 = 0.13
+    assert abs(lifted["turn_following"] - base["turn_following"] - 0.8 / 6.2) < 1e-12
+    assert "| turn following, rollout | +0.13 ± 0.03 * | not measured |" in out
+    assert "| turn following, one step from the simulator's frames | +0.00 ± 0.00 | not measured |" in out
