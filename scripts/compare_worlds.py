@@ -14,8 +14,8 @@ by level and scored the same way, the mean of the per-level differences against 
 over those levels, with its own standard error (turn following: each level's slide of the view in
 columns per frame, over the simulator's mean slide on those levels, so that the mean difference is
 the difference of the two shares over those levels, and a level where the simulator's view barely
-slides does not swamp the others as its own share would); * marks a mean past the two-sided 95% point of
-Student's t for that many levels (2.36 errors for 8). Among many cells a few marks come by chance:
+slides does not swamp the others as its own share would); * marks a mean past the two-sided 95%
+point of Student's t for that many levels (2.36 errors for 8). Among many cells a few marks come by chance:
 read a mark against another set of levels.
 """
 from __future__ import annotations
@@ -135,12 +135,13 @@ def paired_table(reports: list[dict], names: list[str]) -> tuple[str | None, lis
     for row, read, keys, scale in PER_LEVEL:
         cells = []
         for report, _, common in columns:
-            lists = [per_level_values(r, f) for r in (base, report) for f in (read, scale or read)]
-            levels = [s for s in common if all(v and v[s] is not None for v in lists)]
+            reads = (read, scale) if scale else (read,)
+            lists = [[per_level_values(r, f) for f in reads] for r in (base, report)]
+            levels = [s for s in common if all(v and v[s] is not None for per in lists for v in per)]
             if any(scored(base, k) != scored(report, k) for k in keys) or len(levels) < MIN_LEVELS:
                 cells.append("not measured")  # scored another way, or not kept level by level
                 continue
-            mine, theirs = (scaled(v, by if scale else None, levels) for v, by in (lists[:2], lists[2:]))
+            mine, theirs = (scaled(per[0], per[1] if scale else None, levels) for per in lists)
             if mine is None or theirs is None:
                 cells.append("not measured")  # nothing to scale by: the simulator's view did not slide
                 continue
