@@ -166,9 +166,10 @@ class DiTBlock(nn.Module):
         """``mods``: this block's AdaLN and gate parameters of the conditioning (``Transformer.modulations``)."""
         # Compiled halves serve a generated frame's calls; a history (prefill, hard cut, recompute)
         # runs eagerly, as the one-graph frame call leaves it: a graph per history length would be
-        # a compile for a call made once a cut.
-        one_frame = x.shape[1] <= self.attn.tpf
-        pre, pre_q, post = ((self._pre, self._pre_q, self._post) if one_frame
+        # a compile for a call made once a cut. Training's windows, one shape every step, take
+        # them too (compile_halves(histories=True)).
+        compiled = x.shape[1] <= self.attn.tpf or self.compiled_histories
+        pre, pre_q, post = ((self._pre, self._pre_q, self._post) if compiled
                             else (self.pre_attention, self.pre_attention_q, self.post_attention))
         if kv_cache is not None and kv_cache.borrows(self.attn.layer):
             # Cross-layer sharing: this layer reads its group owner's K/V and computes only Q.
@@ -196,11 +197,13 @@ class DiTBlock(nn.Module):
     _pre = pre_attention
     _pre_q = pre_attention_q
     _post = post_attention
+    compiled_histories = False
 
-    def compile_halves(self, **kwargs):
+    def compile_halves(self, histories: bool = False, **kwargs):
         self._pre = torch.compile(self.pre_attention, **kwargs)
         self._pre_q = torch.compile(self.pre_attention_q, **kwargs)
         self._post = torch.compile(self.post_attention, **kwargs)
+        self.compiled_histories = histories
 
 
 class Transformer(nn.Module):
@@ -264,10 +267,11 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn.ring_kernel = ring
 
-    def compile(self, **kwargs):
-        """torch.compile each block's cache-free halves (state-dict names are unchanged)."""
+    def compile(self, histories: bool = False, **kwargs):
+        """torch.compile each block's cache-free halves (state-dict names are unchanged), which a
+        generated frame's calls take; ``histories``: calls over many frames too (training)."""
         for block in self.blocks:
-            block.compile_halves(**kwargs)
+            block.compile_halves(histories, **kwargs)
 
     def forward(self, x, cond, rope, kv_cache=None, window_cap=None, bias: float | tuple = 0.0,
                 decode_from: int | None = None):

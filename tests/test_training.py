@@ -59,49 +59,61 @@ def test_stages_resume(chain, capsys):
     assert not (chain / "x").exists()
 
 
-def test_a_signal_stops_training_at_a_step_that_the_next_run_resumes_exactly(chain, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("module_name, precision", [("train_world", "--fp32"), ("train_world", "--compile"),
+                                                    ("train_vae", "--fp32")],
+                         ids=["world fp32", "world bf16 compiled", "autoencoder fp32"])
+def test_a_signal_stops_training_at_a_step_that_the_next_run_resumes_exactly(chain, tmp_path, monkeypatch, capsys,
+                                                                              module_name, precision):
     """SIGINT or SIGTERM (a chain's time budget, Ctrl-C) finishes the step, saves there and exits
-    with STOPPED; the resumed run ends with the weights of a run never stopped."""
+    with STOPPED; the resumed run ends with the weights of a run never stopped, also in the
+    chain's own setting for the world (bf16 autocast, compiled blocks)."""
+    import importlib
     import os
     import signal
 
     from owl_wms.maze.training import STOPPED
-    from scripts import train_vae, train_world
 
+    module = importlib.import_module(f"scripts.{module_name}")
     (tmp_path / "tiny.yaml").write_text(f"base: {json.dumps(str(REPO / 'configs' / 'maze_world.yaml'))}\n"
                                         "model: {n_layers: 1, d_model: 64, n_heads: 1}\npipeline: {window_frames: 4}\n")
+    if module_name == "train_world":
+        step_fn, weights, stop = "train_step", "ema_core.pt", signal.SIGTERM
 
-    def world(out):
-        return ["--config", str(tmp_path / "tiny.yaml"), "--latents", str(chain / "latents"), "--out", str(out),
-                "--batch", "2", "--steps", "6", "--save-every", "100", "--fp32"]
+        def args(out):
+            return ["--config", str(tmp_path / "tiny.yaml"), "--latents", str(chain / "latents"), "--out", str(out),
+                    "--batch", "2", "--steps", "6", "--save-every", "100", precision]
+    else:
+        step_fn, weights, stop = "vae_loss", "final/diffusion_pytorch_model.safetensors", signal.SIGINT
 
-    def vae(out):
-        return ["--data", str(chain / "data"), "--out", str(out), "--steps", "6", "--batch", "2", "--width", "8",
-                "--held-out", "1", "--save-every", "100", "--fp32"]
+        def args(out):
+            return ["--data", str(chain / "data"), "--out", str(out), "--steps", "6", "--batch", "2", "--width", "8",
+                    "--held-out", "1", "--save-every", "100", precision]
 
-    for module, args, step_fn, weights in ((train_world, world, "train_step", "ema_core.pt"),
-                                           (train_vae, vae, "vae_loss", "final/diffusion_pytorch_model.safetensors")):
-        module.main(args(tmp_path / f"{module.__name__}_whole"))
-        calls, real = [], getattr(module, step_fn)
+    from torch._dynamo.utils import counters
 
-        def signalled(*a, **k):
-            calls.append(1)
-            if len(calls) == 3:  # SIGTERM for the world, SIGINT for the autoencoder: both stop cleanly
-                os.kill(os.getpid(), signal.SIGTERM if module is train_world else signal.SIGINT)
-            return real(*a, **k)
+    graphs = counters["stats"]["unique_graphs"]
+    module.main(args(tmp_path / "whole"))
+    if precision == "--compile":  # the training windows run compiled, not only a generated frame's calls
+        assert counters["stats"]["unique_graphs"] > graphs
+    calls, real = [], getattr(module, step_fn)
 
-        monkeypatch.setattr(module, step_fn, signalled)
-        handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
-        with pytest.raises(SystemExit) as stopped:
-            module.main(args(tmp_path / f"{module.__name__}_pieces"))
-        monkeypatch.undo()
-        assert stopped.value.code == STOPPED
-        assert "stopped at step 3 of 6" in capsys.readouterr().out
-        assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # given back
-        module.main(args(tmp_path / f"{module.__name__}_pieces"))
-        assert "resumed at step 3" in capsys.readouterr().out
-        whole, pieces = ((tmp_path / f"{module.__name__}_{k}" / weights).read_bytes() for k in ("whole", "pieces"))
-        assert whole == pieces, module.__name__
+    def signalled(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # SIGTERM for the world, SIGINT for the autoencoder: both stop cleanly
+            os.kill(os.getpid(), stop)
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, step_fn, signalled)
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    with pytest.raises(SystemExit) as stopped:
+        module.main(args(tmp_path / "pieces"))
+    monkeypatch.undo()
+    assert stopped.value.code == STOPPED
+    assert "stopped at step 3 of 6" in capsys.readouterr().out
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # given back
+    module.main(args(tmp_path / "pieces"))
+    assert "resumed at step 3" in capsys.readouterr().out
+    assert (tmp_path / "whole" / weights).read_bytes() == (tmp_path / "pieces" / weights).read_bytes()
 
 
 def test_file_stages_keep_their_time_over_reruns(chain, tmp_path):

@@ -206,7 +206,7 @@ def world_trainer(model_cfg, lr: float, total_steps: int, device="cpu", compile:
     model = GameRFT(model_cfg).to(device)
     ema = copy.deepcopy(model).requires_grad_(False)
     if compile:
-        model.core.transformer.compile(dynamic=False)
+        model.core.transformer.compile(histories=True, dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(total_steps, max(1, total_steps // 50)))
     return model, ema, opt, sched
