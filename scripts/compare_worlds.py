@@ -15,8 +15,8 @@ over those levels, with its own standard error (turn following: each level's sli
 columns per frame, over the simulator's mean slide on those levels, so that the mean difference is
 the difference of the two shares over those levels, and a level where the simulator's view barely
 slides does not swamp the others as its own share would); * marks a mean past the two-sided 95%
-point of Student's t for that many levels (2.36 errors for 8). Among many cells a few marks come by chance:
-read a mark against another set of levels.
+point of Student's t for that many levels (2.36 errors for 8). Among many cells a few marks come by
+chance: read a mark against another set of levels.
 """
 from __future__ import annotations
 

@@ -71,6 +71,8 @@ def test_a_signal_stops_training_at_a_step_that_the_next_run_resumes_exactly(cha
     import os
     import signal
 
+    from torch._dynamo.utils import counters
+
     from owl_wms.maze.training import STOPPED
 
     module = importlib.import_module(f"scripts.{module_name}")
@@ -88,8 +90,6 @@ def test_a_signal_stops_training_at_a_step_that_the_next_run_resumes_exactly(cha
         def args(out):
             return ["--data", str(chain / "data"), "--out", str(out), "--steps", "6", "--batch", "2", "--width", "8",
                     "--held-out", "1", "--save-every", "100", precision]
-
-    from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
     module.main(args(tmp_path / "whole"))
